@@ -1,0 +1,71 @@
+"""epochcache: train PyTorch on a remote dataset far larger than the local disk.
+
+A sync daemon samples the remote into a rotating, budgeted cache of Arrow shards; an
+EpochCachedLoader rebuilds the Dataset and DataLoader each epoch from the shards present then.
+"""
+
+import importlib
+from typing import Any
+
+from epochcache.config import (
+    CacheConfig,
+    Config,
+    LoaderConfig,
+    SamplerConfig,
+    SourceConfig,
+    load_config,
+)
+from epochcache.daemon import SyncDaemon, SyncReport
+from epochcache.errors import (
+    BudgetError,
+    CacheEmptyError,
+    CacheError,
+    ConfigError,
+    DaemonRunningError,
+    EpochcacheError,
+    LoaderError,
+    ShardCorruptError,
+    SourceError,
+)
+from epochcache.ledger import Ledger, ShardRecord
+
+__version__ = "0.1.0"
+
+# The training-side names import torch; the daemon and the CLI must start without it.
+_LAZY = {
+    "EpochCachedLoader": "epochcache.loader",
+    "EpochInfo": "epochcache.loader",
+    "ShardSetDataset": "epochcache.dataset",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'epochcache' has no attribute {name!r}")
+
+
+__all__ = [
+    "BudgetError",
+    "CacheConfig",
+    "CacheEmptyError",
+    "CacheError",
+    "Config",
+    "ConfigError",
+    "DaemonRunningError",
+    "EpochCachedLoader",
+    "EpochInfo",
+    "EpochcacheError",
+    "Ledger",
+    "LoaderConfig",
+    "LoaderError",
+    "SamplerConfig",
+    "ShardCorruptError",
+    "ShardRecord",
+    "ShardSetDataset",
+    "SourceConfig",
+    "SourceError",
+    "SyncDaemon",
+    "SyncReport",
+    "load_config",
+]

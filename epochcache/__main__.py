@@ -1,0 +1,3 @@
+from epochcache.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""The ``epochcache`` command: ``sync``, ``status`` and ``demo``.
+
+Every :class:`EpochcacheError` ends the command with one line on stderr (``epochcache: error: ...``)
+and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from epochcache.config import load_config
+from epochcache.errors import EpochcacheError
+
+log = logging.getLogger("epochcache")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except EpochcacheError as exc:
+        print(f"epochcache: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epochcache", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    sync = commands.add_parser("sync", help="run the sync daemon: sample the remote into the cache")
+    _add_config_args(sync)
+    sync.add_argument("--once", action="store_true", help="stop when the budget is full or one pass is done")
+    sync.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sync.set_defaults(func=_sync)
+
+    status = commands.add_parser("status", help="show the cache: shards, bytes vs budget, leases")
+    _add_config_args(status)
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.set_defaults(func=_status)
+
+    demo = commands.add_parser("demo", help="generate a local dataset, sync it and train on it")
+    demo.add_argument("--dir", type=Path, default=Path("epochcache-demo"), help="demo folder (default: %(default)s)")
+    demo.add_argument("--epochs", type=int, default=12, help="epochs to train (default: %(default)s)")
+    demo.add_argument("--samples", type=int, default=24576, help="samples in the generated remote (default: %(default)s)")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", type=Path, default=Path("config.yaml"), help="config file (default: %(default)s)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config key, e.g. --set cache.max_bytes=20GB (repeatable)",
+    )
+
+
+def _sync(args: argparse.Namespace) -> int:
+    from epochcache.daemon import SyncDaemon
+
+    config = load_config(args.config, args.overrides)
+    report = SyncDaemon(config, progress=False if args.no_progress else None).run(once=args.once)
+    log.info(
+        "%s: %d shards (%d samples, %d bytes) published, %d evicted",
+        report.reason.value, report.shards_published, report.samples_published,
+        report.bytes_published, report.evicted,
+    )
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from epochcache.status import cache_status, format_status
+
+    config = load_config(args.config, args.overrides)
+    status = cache_status(config)
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from epochcache.demo import run_demo
+
+    run_demo(args.dir, epochs=args.epochs, samples=args.samples)
+    return 0

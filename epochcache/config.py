@@ -1,0 +1,234 @@
+"""Configuration: the validated form of config.yaml.
+
+Flow: ``load_config(path, overrides, env)`` merges, lowest precedence first, the models' defaults,
+the YAML file, ``EPOCHCACHE_SECTION__KEY`` environment variables (a double underscore between section
+and key; other ``EPOCHCACHE_*`` names are ignored) and ``section.key=value`` overrides
+(CLI flags), then validates the result into a frozen :class:`Config`. Every section rejects unknown
+keys. Sizes accept integers or strings such as ``"64MB"`` (10**6) and ``"64MiB"`` (2**20).
+Relative local paths (``cache.dir``, a scheme-less ``source.url``) are resolved against the directory
+of the YAML file, so a config means the same thing from any working directory.
+
+Invariant: a :class:`Config` that exists is valid; every error is a :class:`ConfigError` whose one-line
+message names the dotted key path and the bad value.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from epochcache.errors import ConfigError
+
+ENV_PREFIX = "EPOCHCACHE_"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _resolve_local(value: str, info: ValidationInfo) -> str:
+    """Make a scheme-less relative path absolute against the config file's directory."""
+    if "://" in value or os.path.isabs(value):
+        return value
+    base = (info.context or {}).get("base_dir")
+    return str(Path(base or ".").joinpath(value).resolve())
+
+
+class SourceConfig(_Section):
+    """Where the remote dataset lives and how to read it."""
+
+    url: str = Field(description="fsspec URL or local path of a Parquet file or a folder of them")
+    format: Literal["parquet"] = "parquet"
+    columns: list[str] | None = Field(default=None, description="columns to fetch; null = all")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments for the fsspec filesystem (s3fs, ...)"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str, info: ValidationInfo) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty: give an fsspec URL such as s3://bucket/prefix/")
+        return _resolve_local(value, info)
+
+
+class CacheConfig(_Section):
+    """The local shard cache and its hard byte budget."""
+
+    dir: str = Field(description="cache directory: shard files plus the ledger")
+    max_bytes: ByteSize = Field(default=ByteSize(10 * 10**9), description="hard disk budget")
+    shard_bytes: ByteSize = Field(default=ByteSize(64 * 10**6), description="target shard size")
+    eviction: Literal["fifo"] = "fifo"
+
+    @field_validator("dir")
+    @classmethod
+    def _dir(cls, value: str, info: ValidationInfo) -> str:
+        return _resolve_local(value, info)
+
+    @field_validator("shard_bytes")
+    @classmethod
+    def _shard_bytes(cls, value: ByteSize) -> ByteSize:
+        if value < 2**16:
+            raise ValueError(f"{int(value)} bytes is too small for a shard: use at least 64KiB")
+        return value
+
+    @model_validator(mode="after")
+    def _budget_holds_two_shards(self) -> CacheConfig:
+        # One published shard plus the one being written must fit, or the daemon could never publish.
+        if self.max_bytes < 2 * self.shard_bytes:
+            raise ValueError(
+                f"max_bytes={int(self.max_bytes)} cannot hold two shards of "
+                f"shard_bytes={int(self.shard_bytes)}: raise cache.max_bytes to at least "
+                f"{2 * int(self.shard_bytes)} or lower cache.shard_bytes"
+            )
+        return self
+
+
+class SamplerConfig(_Section):
+    """How the sync daemon draws units from the remote."""
+
+    seed: int = Field(default=0, ge=0)
+    concurrency: int = Field(default=8, ge=1, le=256, description="remote reads in flight")
+    max_bytes_per_s: ByteSize | None = Field(
+        default=None, description="cap on the daemon's read rate; null = unlimited"
+    )
+
+
+class LoaderConfig(_Section):
+    """How EpochCachedLoader builds each epoch."""
+
+    batch_size: int = Field(default=64, ge=1)
+    num_workers: int = Field(default=0, ge=0)
+    shuffle: bool = True
+    drop_last: bool = False
+    seed: int = Field(default=0, ge=0)
+    columns: list[str] | None = None
+    prepare_next_at: float = Field(default=0.8, gt=0.0, le=1.0)
+    lease_ttl_s: float = Field(default=60.0, gt=0.0)
+    wait_timeout_s: float = Field(default=600.0, gt=0.0)
+
+
+class Config(_Section):
+    """The whole of config.yaml."""
+
+    source: SourceConfig
+    cache: CacheConfig
+    sampler: SamplerConfig = SamplerConfig()
+    loader: LoaderConfig = LoaderConfig()
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Iterable[str] | Mapping[str, Any] = (),
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Read, merge and validate a configuration.
+
+    ``path``: a YAML file, or None for defaults only. ``overrides``: ``"cache.max_bytes=2GB"``
+    strings or a ``{"cache.max_bytes": "2GB"}`` mapping, highest precedence. ``env``: the environment
+    to read ``EPOCHCACHE_*`` variables from (default ``os.environ``). Raises :class:`ConfigError`.
+    """
+    data: dict[str, Any] = {}
+    origin = "defaults"
+    base_dir = Path.cwd()
+    if path is not None:
+        origin = str(path)
+        base_dir = Path(path).resolve().parent
+        data = _read_yaml(Path(path))
+    env_items = [
+        (key[len(ENV_PREFIX) :].lower().replace("__", "."), value)
+        for key, value in (os.environ if env is None else env).items()
+        if key.startswith(ENV_PREFIX) and "__" in key
+    ]
+    for dotted, raw in env_items:
+        _set_dotted(data, dotted, _parse_scalar(raw))
+    items = overrides.items() if isinstance(overrides, Mapping) else map(_split_override, overrides)
+    for dotted, value in items:
+        _set_dotted(data, dotted, _parse_scalar(value) if isinstance(value, str) else value)
+    try:
+        return Config.model_validate(data, context={"base_dir": base_dir})
+    except ValidationError as exc:
+        raise ConfigError(f"{origin}: {format_validation_error(exc)}") from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per pydantic error list: ``key.path = value: reason`` joined by ``; ``."""
+    parts = []
+    for err in exc.errors(include_url=False):
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"{loc}: unknown key; {_valid_keys_hint(err['loc'])}")
+        elif err["type"] == "missing":
+            parts.append(f"{loc}: required key is missing")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            parts.append(f"{loc} = {err['input']!r}: {msg}")
+    return "; ".join(parts)
+
+
+def _valid_keys_hint(loc: tuple[int | str, ...]) -> str:
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        annotation = model.model_fields[str(part)].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return "check the spelling"
+        model = annotation
+    return "valid keys here: " + ", ".join(sorted(model.model_fields))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" line {where.line + 1}" if where is not None else ""
+        raise ConfigError(f"{path}:{line} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _split_override(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    return key.strip(), value
+
+
+def _parse_scalar(raw: str) -> Any:
+    """Type a string from the environment or a flag the way YAML would ("8" -> 8, "true" -> True)."""
+    try:
+        return yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError:
+        return raw
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = data
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part!r} is a value, not a section")
+        node = child
+    node[leaf] = value

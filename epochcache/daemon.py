@@ -1,0 +1,327 @@
+"""The sync daemon: sampler -> fetch pool -> shard builder -> write -> publish -> evict.
+
+One daemon per cache directory (an flock on ``daemon.lock``). At start it reconciles disk with the
+ledger and resumes the sampler's cursor. Units are fetched concurrently but consumed in sampler order,
+so the cursor published with a shard always marks a prefix of the order: a crash at any moment loses
+at most the shard being built, and a restart neither repeats nor skips a unit. Units already held by a
+cached shard are skipped, so no sample is ever cached twice, even across passes.
+
+Before a shard is written its exact size is reserved in the ledger, evicting unleased shards by the
+configured policy; if only leased shards could make room the daemon waits (backpressure) rather than
+exceed ``cache.max_bytes``. SIGINT/SIGTERM stop it between units: the shard being built is dropped,
+never published half-written.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import Enum
+from types import FrameType
+
+import pyarrow as pa
+from tqdm import tqdm
+
+from epochcache.config import Config
+from epochcache.errors import BudgetError, DaemonRunningError
+from epochcache.evict import policy_named
+from epochcache.layout import CacheLayout
+from epochcache.ledger import Ledger, ShardRecord
+from epochcache.repair import reconcile
+from epochcache.sampler import Cursor, Sampler
+from epochcache.shards import encoded_size, write_shard
+from epochcache.sources import RemoteObject, Source, Unit, open_source
+
+log = logging.getLogger(__name__)
+
+_BACKPRESSURE_POLL_S = 0.25
+_IDLE_POLL_S = 5.0
+
+
+class StopReason(str, Enum):
+    STOPPED = "stopped"
+    BUDGET_FULL = "budget full"
+    EXHAUSTED = "remote exhausted"
+
+
+@dataclass
+class SyncReport:
+    """What one ``SyncDaemon.run`` did; unit keys are ``<object path>#<unit index>``."""
+
+    reason: StopReason = StopReason.STOPPED
+    shards_published: int = 0
+    bytes_published: int = 0
+    samples_published: int = 0
+    evicted: int = 0
+    units_fetched: list[str] = field(default_factory=list)
+    units_published: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Building:
+    """Units fetched in order and not yet published, with the cursor just past the last of them."""
+
+    cursor: Cursor
+    tables: list[pa.Table] = field(default_factory=list)
+    units: list[str] = field(default_factory=list)
+    nbytes: int = 0
+
+    def add(self, unit: Unit, table: pa.Table) -> None:
+        self.tables.append(table)
+        self.units.append(unit.key)
+        self.nbytes += table.nbytes
+
+
+class _Throttle:
+    """Sleeps (interruptibly) so that bytes consumed stay under ``rate`` per second."""
+
+    def __init__(self, rate: int | None, stop: threading.Event) -> None:
+        self._rate, self._stop = rate, stop
+        self._start, self._total = time.monotonic(), 0
+
+    def consume(self, nbytes: int) -> None:
+        if not self._rate:
+            return
+        self._total += nbytes
+        delay = self._start + self._total / self._rate - time.monotonic()
+        if delay > 0:
+            self._stop.wait(delay)
+
+
+class SyncDaemon:
+    """Keeps ``config.cache.dir`` filled with shards sampled from ``config.source``."""
+
+    def __init__(self, config: Config, *, progress: bool | None = None) -> None:
+        self.config = config
+        self.layout = CacheLayout.create(config.cache.dir)
+        self._policy = policy_named(config.cache.eviction)
+        self._progress = progress
+
+    def run(self, once: bool = False, stop: threading.Event | None = None) -> SyncReport:
+        """Sync until ``stop`` is set (or SIGINT/SIGTERM in the main thread).
+
+        With ``once``, return instead when the next shard would need an eviction (the budget is full)
+        or when one pass over the remote is complete. Raises :class:`DaemonRunningError` if another
+        daemon holds this cache dir, :class:`SourceError` on a permanent remote failure.
+        """
+        stop = stop or threading.Event()
+        with _exclusive(self.layout.lock), _stop_on_signals(stop):
+            ledger = Ledger(self.layout.ledger)
+            try:
+                reconcile(self.layout, ledger)
+                return _Run(self, ledger, open_source(self.config.source), stop, once).execute()
+            finally:
+                ledger.close()
+
+
+class _Run:
+    """The state of one ``SyncDaemon.run``; see the module docstring for the invariants."""
+
+    def __init__(self, daemon: SyncDaemon, ledger: Ledger, source: Source, stop: threading.Event, once: bool):
+        self.cfg, self.layout, self.policy = daemon.config, daemon.layout, daemon._policy
+        self.ledger, self.source, self.stop, self.once = ledger, source, stop, once
+        self.report = SyncReport()
+        self.cached = {unit for record in ledger.shards() for unit in record.units}
+        self.throttle = _Throttle(self.cfg.sampler.max_bytes_per_s, stop)
+        # disable=None: a bar on a terminal, none when output goes to a file or pipe.
+        show = daemon._progress
+        self.bar = tqdm(desc="sync", unit="B", unit_scale=True, unit_divisor=1024,
+                        disable=None if show is None else not show)
+
+    def execute(self) -> SyncReport:
+        cursor = Cursor.from_dict(self.ledger.cursor())
+        with ThreadPoolExecutor(self.cfg.sampler.concurrency, thread_name_prefix="fetch") as pool:
+            try:
+                while not self.stop.is_set():
+                    fetched_before = len(self.report.units_fetched)
+                    reason = self._pass(pool, cursor)
+                    if reason is not None:
+                        self.report.reason = reason
+                        break
+                    cursor = cursor.next_pass()
+                    self.ledger.set_cursor(cursor.to_dict())
+                    if self.once:
+                        self.report.reason = StopReason.EXHAUSTED
+                        break
+                    if len(self.report.units_fetched) == fetched_before:
+                        log.info("every unit of the remote is cached; checking again in %.0fs", _IDLE_POLL_S)
+                        self.stop.wait(_IDLE_POLL_S)
+            finally:
+                self.bar.close()
+        log.info("sync ended (%s): %d shards, %d samples published", self.report.reason.value,
+                 self.report.shards_published, self.report.samples_published)
+        return self.report
+
+    def _pass(self, pool: ThreadPoolExecutor, cursor: Cursor) -> StopReason | None:
+        """Consume one pass from ``cursor``; None when it completed, else why it stopped early."""
+        sampler = Sampler(self.source, self._objects(cursor.pass_), self.cfg.sampler.seed)
+        building = _Building(cursor)
+        for unit, after, table in self._fetched(pool, sampler.walk(cursor)):
+            if table is not None:
+                if building.tables and building.nbytes + table.nbytes > self.cfg.cache.shard_bytes:
+                    if not self._publish(building):
+                        return self._stop_reason()
+                    building = _Building(building.cursor)
+                building.add(unit, table)
+            building.cursor = after
+            if building.nbytes >= self.cfg.cache.shard_bytes:
+                if not self._publish(building):
+                    return self._stop_reason()
+                building = _Building(after)
+        if self.stop.is_set():
+            return StopReason.STOPPED
+        if building.tables and not self._publish(building):
+            return self._stop_reason()
+        return None
+
+    def _stop_reason(self) -> StopReason:
+        return StopReason.STOPPED if self.stop.is_set() else StopReason.BUDGET_FULL
+
+    def _objects(self, pass_: int) -> list[RemoteObject]:
+        """The listing this pass walks: taken once per pass and kept in the ledger across restarts."""
+        listing = self.ledger.listing()
+        if listing is None or listing["pass"] != pass_:
+            objects = self.source.list_objects()
+            self.ledger.set_listing({"pass": pass_, "objects": [(o.path, o.size) for o in objects]})
+            return objects
+        return [RemoteObject(path, size) for path, size in listing["objects"]]
+
+    def _fetched(
+        self, pool: ThreadPoolExecutor, walk: Iterator[tuple[Unit, Cursor]]
+    ) -> Iterator[tuple[Unit, Cursor, pa.Table | None]]:
+        """Yield walk items in order with their table (None for units already cached), keeping up to
+        ``2 * concurrency`` reads in flight."""
+        window: deque[tuple[Unit, Cursor, Future[pa.Table] | None]] = deque()
+        limit = 2 * self.cfg.sampler.concurrency
+        try:
+            for unit, after in walk:
+                future = None if unit.key in self.cached else pool.submit(self.source.read, unit)
+                window.append((unit, after, future))
+                while len(window) >= limit or (window and window[0][2] is None):
+                    yield self._complete(*window.popleft())
+                if self.stop.is_set():
+                    return
+            while window and not self.stop.is_set():
+                yield self._complete(*window.popleft())
+        finally:
+            for _, _, future in window:
+                if future is not None:
+                    future.cancel()
+
+    def _complete(
+        self, unit: Unit, after: Cursor, future: Future[pa.Table] | None
+    ) -> tuple[Unit, Cursor, pa.Table | None]:
+        if future is None:
+            return unit, after, None
+        table = future.result()
+        self.report.units_fetched.append(unit.key)
+        self.bar.update(table.nbytes)
+        self.throttle.consume(table.nbytes)
+        return unit, after, table
+
+    def _publish(self, building: _Building) -> bool:
+        """Write ``building`` as one shard and publish it; False if stopped or the budget is full."""
+        table = pa.concat_tables(building.tables).combine_chunks()
+        nbytes = encoded_size(table)
+        budget = int(self.cfg.cache.max_bytes)
+        if nbytes > budget - self.ledger.disk_bytes():
+            raise BudgetError(
+                f"a shard of {nbytes} bytes does not fit in cache.max_bytes={budget}: raise the budget "
+                f"or lower cache.shard_bytes (row groups of the remote are the smallest unit)"
+            )
+        victims = self._make_room(nbytes, budget)
+        if victims is None:
+            return False
+        shard_id = f"{time.time_ns():x}-{uuid.uuid4().hex[:8]}"
+        try:
+            checksum = write_shard(table, self.layout.tmp_path(shard_id), self.layout.shard_path(shard_id))
+        except BaseException:
+            self.ledger.clear_reservation()
+            raise
+        record = ShardRecord(
+            id=shard_id, filename=self.layout.shard_path(shard_id).name, nbytes=nbytes,
+            rows=table.num_rows, created=time.time(), checksum=checksum, units=tuple(building.units),
+        )
+        self.ledger.publish(record, building.cursor.to_dict())
+        self.cached.update(record.units)
+        self.report.shards_published += 1
+        self.report.bytes_published += nbytes
+        self.report.samples_published += record.rows
+        self.report.units_published.extend(record.units)
+        self.bar.set_postfix(shards=self.report.shards_published, samples=self.report.samples_published,
+                             evicted=self.report.evicted, refresh=False)
+        log.debug("published shard %s: %d rows, %d bytes", shard_id, record.rows, nbytes)
+        return True
+
+    def _make_room(self, nbytes: int, budget: int) -> list[ShardRecord] | None:
+        """Reserve ``nbytes``; evict (unless ``once``) or wait while only leased shards could go."""
+        choose = (lambda *_: []) if self.once else self.policy
+        waiting_since = None
+        while not self.stop.is_set():
+            victims = self.ledger.make_room(nbytes, budget, choose)
+            if victims is not None:
+                self._delete(victims)
+                return victims
+            if self.once:
+                return None
+            if waiting_since is None:
+                waiting_since = time.monotonic()
+                log.warning("backpressure: the budget is full and the shards that must go are leased by "
+                            "running epochs; they are retiring, waiting for those epochs to end")
+            self.stop.wait(_BACKPRESSURE_POLL_S)
+        return None
+
+    def _delete(self, victims: list[ShardRecord]) -> None:
+        for victim in victims:
+            (self.layout.shards / victim.filename).unlink(missing_ok=True)
+            self.cached.difference_update(victim.units)
+        self.report.evicted += len(victims)
+
+
+@contextmanager
+def _exclusive(lock_path: os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive flock on ``lock_path`` (the kernel drops it if the process dies)."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise DaemonRunningError(
+                f"another epochcache sync (pid {owner}) already runs on {os.path.dirname(lock_path)}: "
+                "stop it first, or give this one its own cache.dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """In the main thread, turn SIGINT/SIGTERM into ``stop.set()`` for the duration."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s: finishing cleanly", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -1,0 +1,123 @@
+"""ShardSetDataset: a map-style torch Dataset over memory-mapped Arrow shards.
+
+Per process, each shard is memory-mapped once and every fixed-width column (numbers, fixed-size
+lists, the fixed-shape tensor type) is viewed as one read-only numpy array of shape
+``(rows, *item_shape)`` that points into the mapping: opening costs no copy and no per-sample object.
+A batch (``__getitems__``) is gathered with one ``numpy.take`` per shard touched, straight into the
+batch's freshly allocated array, which torch then wraps without a copy: one copy in all, the gather
+itself. Samples of a batch are grouped by shard (stable within a shard), which keeps that copy
+single; the batch is the same set of samples the sampler chose.
+
+Other columns (strings, variable-length binary, columns with nulls) come out as pyarrow arrays taken
+per batch, never as Python objects per sample.
+
+Shards are opened lazily in the process that reads them, so pickling the dataset into DataLoader
+workers sends paths, never data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.data import Dataset
+
+from epochcache.shards import open_shard
+from epochcache.sources.base import KEY_COLUMN
+
+Batch = dict[str, Union[torch.Tensor, pa.Array]]
+
+
+class ShardSetDataset(Dataset[Batch]):
+    """Rows of ``paths`` (with ``rows[i]`` rows each) in order; ``columns`` None = all but the key."""
+
+    def __init__(self, paths: Sequence[Path], rows: Sequence[int], columns: Sequence[str] | None = None):
+        if len(paths) != len(rows):
+            raise ValueError(f"{len(paths)} shard paths but {len(rows)} row counts")
+        self._paths = [str(p) for p in paths]
+        self._offsets = np.concatenate([[0], np.cumsum(np.asarray(rows, dtype=np.int64))])
+        self._columns = list(columns) if columns is not None else None
+        self._views: list[dict[str, np.ndarray | pa.Array]] | None = None
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_views": None}
+
+    def __getitem__(self, index: int) -> Batch:
+        batch = self.__getitems__([index])
+        return {name: value[0] for name, value in batch.items()}
+
+    def __getitems__(self, indices: Sequence[int] | np.ndarray) -> Batch:
+        """The rows at ``indices`` as one batch: tensors of shape ``(len(indices), *item_shape)``."""
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"index out of range for a dataset of {len(self)} samples")
+        shard_of = np.searchsorted(self._offsets, idx, side="right") - 1
+        order = np.argsort(shard_of, kind="stable")
+        idx, shard_of = idx[order], shard_of[order]
+        views = self._open()
+        splits = np.flatnonzero(np.diff(shard_of)) + 1
+        starts = np.concatenate([[0], splits]).tolist()
+        ends = np.concatenate([splits, [idx.size]]).tolist()
+        template = views[int(shard_of[0])] if idx.size else views[0]
+        out: dict[str, Any] = {
+            name: np.empty((idx.size, *col.shape[1:]), col.dtype) if isinstance(col, np.ndarray) else []
+            for name, col in template.items()
+        }
+        for start, end in zip(starts, ends):
+            shard = int(shard_of[start])
+            local = idx[start:end] - self._offsets[shard]
+            for name, col in views[shard].items():
+                if isinstance(col, np.ndarray):
+                    np.take(col, local, axis=0, out=out[name][start:end])
+                else:
+                    out[name].append(col.take(pa.array(local)))
+        return {
+            name: torch.from_numpy(value) if isinstance(value, np.ndarray) else _concat(value)
+            for name, value in out.items()
+        }
+
+    def _open(self) -> list[dict[str, np.ndarray | pa.Array]]:
+        if self._views is None:
+            self._views = [self._view(open_shard(Path(path))) for path in self._paths]
+        return self._views
+
+    def _view(self, table: pa.Table) -> dict[str, np.ndarray | pa.Array]:
+        names = self._columns or [n for n in table.column_names if n != KEY_COLUMN]
+        missing = [n for n in names if n not in table.column_names]
+        if missing:
+            raise KeyError(f"columns {missing} not in shard; it has {table.column_names}")
+        views: dict[str, np.ndarray | pa.Array] = {}
+        for name in names:
+            column = table.column(name)
+            # Shards hold one record batch, so this is the one chunk itself, not a copy.
+            array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+            views[name] = _numpy_view(array)
+            if views[name] is None:
+                views[name] = array
+        return views
+
+
+def _numpy_view(array: pa.Array) -> np.ndarray | None:
+    """A zero-copy ``(rows, *item_shape)`` numpy view of a fixed-width column, else None."""
+    if array.null_count:
+        return None
+    if isinstance(array.type, pa.FixedShapeTensorType):
+        return array.to_numpy_ndarray()
+    shape = [len(array)]
+    while pa.types.is_fixed_size_list(array.type):
+        shape.append(array.type.list_size)
+        array = array.flatten()
+    if not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type)) or array.null_count:
+        return None
+    return array.to_numpy(zero_copy_only=True).reshape(shape)
+
+
+def _concat(chunks: list[pa.Array]) -> pa.Array:
+    return pa.concat_arrays(chunks) if len(chunks) != 1 else chunks[0]

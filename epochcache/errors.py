@@ -1,0 +1,55 @@
+"""The exceptions epochcache raises, one small tree.
+
+::
+
+    EpochcacheError                 every error of ours; the CLI prints it as one line, exit code 2
+    ├── ConfigError                 config.yaml, environment or flags hold a bad key or value
+    ├── SourceError                 the remote cannot be listed or read (permanent: no retry helps)
+    ├── CacheError                  the local cache cannot do what was asked
+    │   ├── BudgetError             cache.max_bytes cannot hold what it must
+    │   ├── DaemonRunningError      another sync daemon already owns the cache dir
+    │   └── ShardCorruptError       a shard file fails its checksum or Arrow structure
+    └── LoaderError                 the training side cannot build an epoch
+        └── CacheEmptyError         no shard appeared before the wait timed out
+
+Each message names the bad value and says how to fix it; the original exception, where there is
+one, is kept as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+
+class EpochcacheError(Exception):
+    """Base of every error epochcache raises on purpose."""
+
+
+class ConfigError(EpochcacheError):
+    """A configuration key or value is invalid; the message names its dotted path."""
+
+
+class SourceError(EpochcacheError):
+    """The remote dataset cannot be listed or read."""
+
+
+class CacheError(EpochcacheError):
+    """The local shard cache cannot do what was asked."""
+
+
+class BudgetError(CacheError):
+    """The byte budget cannot hold what it must (for example a single shard)."""
+
+
+class DaemonRunningError(CacheError):
+    """Another sync daemon holds the cache directory's lock."""
+
+
+class ShardCorruptError(CacheError):
+    """A shard file does not match its recorded checksum or is not valid Arrow IPC."""
+
+
+class LoaderError(EpochcacheError):
+    """The training side cannot build an epoch."""
+
+
+class CacheEmptyError(LoaderError):
+    """The cache held no shard when an epoch had to start."""

@@ -1,0 +1,13 @@
+"""Every random order in epochcache comes from here, seeded by a tuple of non-negative words.
+
+The sampler uses ``(seed, pass)`` and ``(seed, pass, object)``; the loader uses ``(seed, epoch)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def permutation(n: int, *seed_words: int) -> np.ndarray:
+    """The permutation of ``range(n)`` (int64) fixed by ``seed_words``; the same on every machine."""
+    return np.random.default_rng(list(seed_words)).permutation(n)

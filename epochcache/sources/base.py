@@ -1,0 +1,61 @@
+"""The protocol every remote format implements, and the unit of work it hands out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import pyarrow as pa
+
+KEY_COLUMN = "__key__"
+
+
+@dataclass(frozen=True)
+class RemoteObject:
+    """One object of the remote listing: its path as the filesystem names it, and its size."""
+
+    path: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Unit:
+    """The smallest piece read in one go: a Parquet row group, say.
+
+    ``obj``: the object it belongs to; ``index``: the unit's number within the object; ``row_offset``: the
+    object-wide index of its first row; ``nbytes``: the uncompressed size estimate from metadata.
+    """
+
+    obj: RemoteObject
+    index: int
+    rows: int
+    row_offset: int
+    nbytes: int
+
+    @property
+    def key(self) -> str:
+        """Stable identity of the unit across runs and passes: ``<object path>#<index>``."""
+        return f"{self.obj.path}#{self.index}"
+
+
+class Source(Protocol):
+    """A remote dataset: list its objects, split an object into units, read a unit.
+
+    ``read`` returns the unit's rows plus a :data:`KEY_COLUMN` string column holding each row's stable
+    global key ``<object path>:<row index in the object>``.
+    """
+
+    url: str
+
+    def list_objects(self) -> list[RemoteObject]:
+        """All objects of the dataset, sorted by path (the sampler's permutations rely on the order)."""
+        ...
+
+    def units(self, obj: RemoteObject) -> Sequence[Unit]:
+        """The units of one object, in storage order; reads only metadata."""
+        ...
+
+    def read(self, unit: Unit) -> pa.Table:
+        """The unit's rows with the key column appended."""
+        ...

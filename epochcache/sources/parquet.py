@@ -1,0 +1,134 @@
+"""Parquet over any fsspec URL: units are row groups, read with ranged GETs, never whole files.
+
+Flow: ``list_objects`` lists ``*.parquet``/``*.parq`` under the URL (or the one file it names);
+``units`` reads an object's footer (one ranged GET of its tail, a second only for footers over
+64 KiB) and caches the parsed metadata; ``read`` fetches the byte range spanning the wanted column
+chunks of one row group in a single ranged GET and decodes it with pyarrow.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from fsspec.parquet import AlreadyBufferedFile
+
+from epochcache.errors import SourceError
+from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
+
+_SUFFIXES = (".parquet", ".parq")
+# pyarrow reads this much of the tail in its first footer read; serving it from one GET keeps
+# footer parsing to a single request for typical files.
+_TAIL_BYTES = 64 * 1024
+_FOOTER_CACHE = 256
+
+
+class ParquetSource:
+    """A folder (or a single file) of Parquet files at ``url``; see the module docstring."""
+
+    def __init__(
+        self,
+        url: str,
+        columns: Sequence[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.url = url
+        self.columns = list(columns) if columns is not None else None
+        self._fs, self._root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self._metadata = functools.lru_cache(maxsize=_FOOTER_CACHE)(self._read_metadata)
+
+    def __repr__(self) -> str:  # never show storage_options: they may hold credentials
+        return f"ParquetSource({self.url!r})"
+
+    def list_objects(self) -> list[RemoteObject]:
+        try:
+            if self._fs.isfile(self._root):
+                found = {self._root: self._fs.info(self._root)}
+            else:
+                found = self._fs.find(self._root, detail=True)
+        except (FileNotFoundError, PermissionError) as exc:
+            raise SourceError(f"cannot list {self.url}: {type(exc).__name__}: {exc}") from exc
+        objects = [
+            RemoteObject(path=path, size=int(info["size"]))
+            for path, info in found.items()
+            if path.endswith(_SUFFIXES) and info.get("type", "file") == "file"
+        ]
+        if not objects:
+            raise SourceError(f"no Parquet files (*.parquet, *.parq) under {self.url}: check source.url")
+        return sorted(objects, key=lambda o: o.path)
+
+    def units(self, obj: RemoteObject) -> list[Unit]:
+        metadata = self._metadata(obj)
+        units, offset = [], 0
+        for index in range(metadata.num_row_groups):
+            group = metadata.row_group(index)
+            units.append(Unit(obj, index, group.num_rows, offset, group.total_byte_size))
+            offset += group.num_rows
+        return units
+
+    def read(self, unit: Unit) -> pa.Table:
+        metadata = self._metadata(unit.obj)
+        start, end = self._byte_range(metadata, unit.index)
+        data = self._fetch(unit.obj.path, start, end)
+        f = _buffered(unit.obj.path, unit.obj.size, {(start, end): data})
+        table = pq.ParquetFile(f, metadata=metadata).read_row_group(unit.index, columns=self.columns)
+        rows = pa.array(range(unit.row_offset, unit.row_offset + unit.rows), pa.int64())
+        keys = pc.binary_join_element_wise(f"{unit.obj.path}:", pc.cast(rows, pa.string()), "")
+        return table.append_column(KEY_COLUMN, keys)
+
+    def _read_metadata(self, obj: RemoteObject) -> pq.FileMetaData:
+        tail_start = max(0, obj.size - _TAIL_BYTES)
+        tail = self._fetch(obj.path, tail_start, obj.size)
+        if len(tail) < 8 or tail[-4:] != b"PAR1":
+            raise SourceError(f"{obj.path} is not a Parquet file (no PAR1 magic at its end)")
+        needed = int.from_bytes(tail[-8:-4], "little") + 8
+        if needed > len(tail):
+            tail_start = obj.size - needed
+            tail = self._fetch(obj.path, tail_start, obj.size)
+        try:
+            metadata = pq.read_metadata(_buffered(obj.path, obj.size, {(tail_start, obj.size): tail}))
+        except (pa.ArrowInvalid, OSError, ValueError) as exc:
+            raise SourceError(f"{obj.path}: unreadable Parquet footer: {exc}") from exc
+        self._check_columns(obj.path, metadata)
+        return metadata
+
+    def _check_columns(self, path: str, metadata: pq.FileMetaData) -> None:
+        if self.columns is None:
+            return
+        present = set(metadata.schema.to_arrow_schema().names)
+        missing = [c for c in self.columns if c not in present]
+        if missing:
+            raise SourceError(
+                f"source.columns names {missing} absent from {path}: present are {sorted(present)}"
+            )
+
+    def _byte_range(self, metadata: pq.FileMetaData, index: int) -> tuple[int, int]:
+        group = metadata.row_group(index)
+        spans = []
+        for i in range(group.num_columns):
+            chunk = group.column(i)
+            if self.columns is not None and chunk.path_in_schema.split(".")[0] not in self.columns:
+                continue
+            start = chunk.data_page_offset
+            if chunk.has_dictionary_page and chunk.dictionary_page_offset:
+                start = min(start, chunk.dictionary_page_offset)
+            spans.append((start, start + chunk.total_compressed_size))
+        return min(s for s, _ in spans), max(e for _, e in spans)
+
+    def _fetch(self, path: str, start: int, end: int) -> bytes:
+        try:
+            return self._fs.cat_file(path, start=start, end=end)
+        except (FileNotFoundError, PermissionError) as exc:
+            raise SourceError(f"cannot read {path} bytes {start}-{end}: {type(exc).__name__}: {exc}") from exc
+
+
+def _buffered(path: str, size: int, parts: dict[tuple[int, int], bytes]) -> AlreadyBufferedFile:
+    """A read-only file over already fetched byte ranges; reading outside them is an error."""
+    return AlreadyBufferedFile(
+        fs=None, path=path, mode="rb", cache_type="parts", cache_options={"data": parts}, size=size
+    )

@@ -1,0 +1,137 @@
+"""Shared fixtures: a real S3-protocol server on loopback (moto), s3fs clients to it, datasets."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import s3fs
+
+from epochcache.config import Config, load_config
+
+ITEM_SHAPE = (3, 16, 16)
+
+logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's per-request lines drown real logs
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test sees the developer's EPOCHCACHE_* or AWS settings; credentials are moto's dummies."""
+    for key in list(os.environ):
+        if key.startswith(("EPOCHCACHE_", "AWS_")):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """URL of a moto S3 server on 127.0.0.1, on a free port, for the whole session."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_options(s3_endpoint: str) -> dict[str, Any]:
+    """storage_options that point s3fs at the loopback server (as a user's config.yaml would)."""
+    return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": s3_endpoint}}
+
+
+@pytest.fixture
+def s3(s3_options: dict[str, Any]) -> s3fs.S3FileSystem:
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_options)
+    return fs
+
+
+@pytest.fixture
+def bucket(s3: s3fs.S3FileSystem) -> Iterator[str]:
+    """A fresh, empty bucket per test."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    s3.mkdir(name)
+    yield name
+    s3.rm(name, recursive=True)
+
+
+def make_table(rows: int, start: int = 0, seed: int = 0) -> pa.Table:
+    """``rows`` samples: a fixed-shape uint8 tensor whose pixels all equal ``id % 251`` and an id."""
+    ids = np.arange(start, start + rows, dtype=np.int64)
+    images = np.broadcast_to((ids % 251).astype(np.uint8)[:, None, None, None], (rows, *ITEM_SHAPE)).copy()
+    return pa.table({"image": pa.FixedShapeTensorArray.from_numpy_ndarray(images), "id": pa.array(ids)})
+
+
+def write_parquet_dataset(
+    fs: Any, root: str, files: int, rows_per_file: int, rows_per_group: int
+) -> list[str]:
+    """Write ``files`` Parquet files under ``root`` (any fsspec fs); ids run 0..files*rows_per_file."""
+    paths = []
+    for number in range(files):
+        path = f"{root}/part-{number:03d}.parquet"
+        with fs.open(path, "wb") as f:
+            pq.write_table(make_table(rows_per_file, number * rows_per_file), f, row_group_size=rows_per_group)
+        paths.append(path)
+    return paths
+
+
+@pytest.fixture
+def make_config(tmp_path: Path) -> Callable[..., Config]:
+    """Build a validated Config from dotted overrides, with a fresh cache dir under tmp_path."""
+
+    def build(url: str, **overrides: Any) -> Config:
+        values = {"source.url": url, "cache.dir": str(tmp_path / "cache"), **overrides}
+        return load_config(None, values)
+
+    return build
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 30.0, interval: float = 0.01) -> Any:
+    """Poll ``condition`` until it returns something truthy; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout}s: {condition}")
+        time.sleep(interval)
+
+
+class DaemonThread:
+    """Runs ``SyncDaemon.run`` in a thread; ``stop()`` sets its stop event and returns its report."""
+
+    def __init__(self, daemon: Any, once: bool = False) -> None:
+        self.stop_event = threading.Event()
+        self.report: Any = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(daemon, once), daemon=True)
+        self._thread.start()
+
+    def _run(self, daemon: Any, once: bool) -> None:
+        try:
+            self.report = daemon.run(once=once, stop=self.stop_event)
+        except BaseException as exc:  # handed to the test thread by stop()
+            self.error = exc
+
+    def stop(self, timeout: float = 60.0) -> Any:
+        self.stop_event.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            pytest.fail("sync daemon did not stop within the timeout")
+        if self.error is not None:
+            raise self.error
+        return self.report
