@@ -32,8 +32,10 @@ from epochcache.status import human_bytes
 
 IMAGE_SHAPE = (3, 64, 64)
 CLASSES = 10
-ROWS_PER_FILE = 2048
-ROWS_PER_GROUP = 512
+GROUPS_PER_FILE = 4
+# Row groups of at most 512 samples (~6 MB), and at least 48 of them, so the cache holds many shards.
+MAX_ROWS_PER_GROUP = 512
+MIN_GROUPS = 48
 _MARKER = "_COMPLETE.json"
 
 
@@ -42,7 +44,9 @@ def generate_remote(path: Path, samples: int, seed: int = 0) -> Path:
 
     Written into a sibling temp folder and renamed, so an interrupted run never leaves a half set.
     """
-    params = {"samples": samples, "seed": seed, "rows_per_file": ROWS_PER_FILE, "rows_per_group": ROWS_PER_GROUP}
+    rows_per_group = max(1, min(MAX_ROWS_PER_GROUP, samples // MIN_GROUPS))
+    rows_per_file = GROUPS_PER_FILE * rows_per_group
+    params = {"samples": samples, "seed": seed, "rows_per_file": rows_per_file, "rows_per_group": rows_per_group}
     marker = path / _MARKER
     if marker.exists() and json.loads(marker.read_text()) == params:
         return path
@@ -50,9 +54,9 @@ def generate_remote(path: Path, samples: int, seed: int = 0) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     rng = np.random.default_rng(seed)
-    for number, start in enumerate(range(0, samples, ROWS_PER_FILE)):
-        pq.write_table(_samples(rng, min(ROWS_PER_FILE, samples - start)), tmp / f"part-{number:05d}.parquet",
-                       row_group_size=ROWS_PER_GROUP)
+    for number, start in enumerate(range(0, samples, rows_per_file)):
+        pq.write_table(_samples(rng, min(rows_per_file, samples - start)), tmp / f"part-{number:05d}.parquet",
+                       row_group_size=rows_per_group)
     (tmp / _MARKER).write_text(json.dumps(params))
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
@@ -71,7 +75,7 @@ def _samples(rng: np.random.Generator, n: int) -> pa.Table:
 
 def write_config(folder: Path, remote: Path, remote_bytes: int) -> Path:
     """A config.yaml for the demo: budget about half the remote, shards of about 2% of it."""
-    shard_bytes = max(2**20, remote_bytes // 48)
+    shard_bytes = max(2**16, remote_bytes // MIN_GROUPS)
     config = {
         "source": {"url": str(remote.resolve()), "format": "parquet"},
         "cache": {"dir": str((folder / "cache").resolve()), "max_bytes": remote_bytes // 2,

@@ -4,8 +4,9 @@ Each ``iter(loader)`` is one epoch. Its shard set is a ledger snapshot taken tog
 exactly those shards, so the daemon cannot evict them mid-epoch; a heartbeat thread renews the lease
 and it is released when the epoch ends (a killed trainer's lease simply expires). When
 ``loader.prepare_next_at`` of an epoch's batches are consumed, a background thread snapshots the next
-epoch and builds its dataset, DataLoader and iterator (workers started, first batch fetched), so the
-next epoch starts without a stall and sees the shards published until then.
+epoch and builds its dataset and DataLoader; its workers are started (or, without workers, its first
+batch built) before the current epoch ends, so the next epoch starts without a stall and sees the
+shards published until then.
 
 Batches are dicts of column name -> tensor (see :class:`ShardSetDataset`); shuffling is seeded by
 ``(loader.seed, epoch)``.
@@ -73,15 +74,31 @@ class EpochBatches:
 
 
 class _Epoch:
-    """A built epoch: its lease, DataLoader iterator and the first batch already fetched."""
+    """A built epoch: its lease and DataLoader; ``start`` creates the iterator.
 
-    def __init__(self, info: EpochInfo, lease: Lease, iterator: Iterator[Batch] | None):
-        self.info, self.lease, self._iterator = info, lease, iterator
+    Worker processes must be forked from the main thread: under torch 2.x, workers forked from a
+    background thread exit with code 1 at shutdown, which the DataLoader reports as a crash. So the
+    preparing thread does everything up to the DataLoader object, and the main thread calls ``start``
+    (at a batch boundary once the preparation is done); the workers then prefetch on their own. With
+    no workers the preparing thread starts the epoch itself and builds the first batch.
+    """
+
+    def __init__(self, info: EpochInfo, lease: Lease, loader: DataLoader[Batch] | None):
+        self.info, self.lease, self._loader = info, lease, loader
+        self._iterator: Iterator[Batch] | None = None
         self._first: list[Batch] = []
-        if iterator is not None:
-            self._first = [batch for batch in [next(iterator, None)] if batch is not None]
+        if loader is not None and loader.num_workers == 0:
+            self.start()
+
+    def start(self) -> None:
+        if self._iterator is not None or self._loader is None:
+            return
+        self._iterator = iter(self._loader)
+        if self._loader.num_workers == 0:
+            self._first = [batch for batch in [next(self._iterator, None)] if batch is not None]
 
     def batches(self) -> Iterator[Batch]:
+        self.start()
         yield from self._first
         self._first = []
         if self._iterator is not None:
@@ -89,6 +106,7 @@ class _Epoch:
 
     def close(self) -> None:
         self._iterator = None  # drops the DataLoader iterator, which shuts its workers down
+        self._loader = None
         self._first = []
 
 
@@ -154,6 +172,8 @@ class EpochCachedLoader:
                     self._last = replace(current.info, first_batch_wait_s=time.monotonic() - started)
                 if i == trigger:
                     self._prepare_ahead(epoch + 1)
+                if i >= trigger:
+                    self._start_prepared()
                 yield batch
             self._prepare_ahead(epoch + 1)
         finally:
@@ -192,6 +212,11 @@ class EpochCachedLoader:
             return future.result()
         return self._prepare(epoch, ahead=False)
 
+    def _start_prepared(self) -> None:
+        """Start the prepared next epoch's workers, from this (the main) thread, once it is built."""
+        if self._next is not None and self._next[1].done() and self._next[1].exception() is None:
+            self._next[1].result().start()
+
     def _prepare_ahead(self, epoch: int) -> None:
         if self._next is None and not self._closed.is_set():
             self._next = (epoch, self._prepare_pool.submit(self._prepare, epoch, True))
@@ -209,13 +234,12 @@ class EpochCachedLoader:
                 epoch=epoch, shards=len(usable), samples=len(dataset), bytes=sum(r.nbytes for r in usable),
                 batches=len(batches), skipped_shards=len(lease.shards) - len(usable), prepared_ahead=ahead,
             )
-            iterator = None
+            loader = None
             if len(batches):
                 loader = DataLoader(
                     dataset, batch_sampler=batches, num_workers=cfg.num_workers, collate_fn=_pass_through
                 )
-                iterator = iter(loader)
-            return _Epoch(info, lease, iterator)
+            return _Epoch(info, lease, loader)
         except BaseException:
             self._release(lease.id)
             raise

@@ -79,6 +79,7 @@ def write_parquet_dataset(
     fs: Any, root: str, files: int, rows_per_file: int, rows_per_group: int
 ) -> list[str]:
     """Write ``files`` Parquet files under ``root`` (any fsspec fs); ids run 0..files*rows_per_file."""
+    fs.makedirs(root, exist_ok=True)
     paths = []
     for number in range(files):
         path = f"{root}/part-{number:03d}.parquet"

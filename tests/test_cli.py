@@ -1,0 +1,60 @@
+"""The epochcache command: sync --once, status, and the demo end to end (small)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import fsspec
+import yaml
+
+from conftest import write_parquet_dataset
+from epochcache.cli import main
+
+
+def _config(tmp_path: Path) -> Path:
+    remote = str(tmp_path / "remote")
+    write_parquet_dataset(fsspec.filesystem("file"), remote, files=3, rows_per_file=64, rows_per_group=32)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({
+        "source": {"url": "remote"},  # relative: resolved against the config file's folder
+        "cache": {"dir": "cache", "max_bytes": "5MB", "shard_bytes": "100KB"},
+    }))
+    return path
+
+
+def test_sync_once_then_status_json(tmp_path: Path, capsys) -> None:
+    config = _config(tmp_path)
+    assert main(["sync", "--config", str(config), "--once", "--no-progress"]) == 0
+    assert (tmp_path / "cache" / "shards").is_dir()
+    capsys.readouterr()
+    assert main(["status", "--config", str(config), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["samples"] == 3 * 64 and status["shards"] > 0
+    assert 0 < status["bytes"] <= status["max_bytes"] == 5_000_000
+    assert main(["status", "--config", str(config)]) == 0
+    assert "samples" in capsys.readouterr().out
+
+
+def test_set_override_is_validated(tmp_path: Path, capsys) -> None:
+    config = _config(tmp_path)
+    assert main(["sync", "--config", str(config), "--once", "--set", "cache.max_bytes=lots"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cache.max_bytes" in err[0] and "'lots'" in err[0]
+
+
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "epochcache", "demo", "--dir", str(tmp_path / "demo"), "--epochs", "3", "--samples", "1536"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["epoch", "shards"])
+    rows = [line.split() for line in lines[header + 1 : header + 4]]
+    assert [row[0] for row in rows] == ["0", "1", "2"]
+    assert all(int(row[1]) > 0 and int(row[2]) > 0 for row in rows)
+    assert "sync daemon stopped cleanly" in result.stdout
+    assert (tmp_path / "demo" / "remote" / "_COMPLETE.json").exists()

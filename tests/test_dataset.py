@@ -1,0 +1,91 @@
+"""ShardSetDataset: batched gathers over memory-mapped shards, values and shapes exact."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from conftest import ITEM_SHAPE, make_table
+from epochcache.dataset import ShardSetDataset
+from epochcache.shards import write_shard
+from epochcache.sources.base import KEY_COLUMN
+
+
+def _shards(tmp_path: Path, sizes: list[int]) -> tuple[list[Path], list[int]]:
+    paths, start = [], 0
+    for number, rows in enumerate(sizes):
+        table = make_table(rows, start)
+        table = table.append_column(KEY_COLUMN, pc.cast(table["id"], pa.string()))
+        path = tmp_path / f"s{number}.arrow"
+        write_shard(table.combine_chunks(), tmp_path / f"s{number}.arrow.tmp", path)
+        paths.append(path)
+        start += rows
+    return paths, sizes
+
+
+def _check_rows(batch: dict, expected_ids: np.ndarray) -> None:
+    ids = batch["id"].numpy()
+    assert sorted(ids.tolist()) == sorted(expected_ids.tolist())
+    assert batch["image"].shape == (len(expected_ids), *ITEM_SHAPE)
+    assert batch["image"].dtype == torch.uint8
+    expected_pixels = torch.from_numpy((ids % 251).astype(np.uint8))[:, None, None, None].expand(-1, *ITEM_SHAPE)
+    assert torch.equal(batch["image"], expected_pixels)
+
+
+def test_getitems_gathers_across_shards(tmp_path: Path) -> None:
+    ds = ShardSetDataset(*_shards(tmp_path, [10, 7, 13]))
+    assert len(ds) == 30
+    wanted = np.array([29, 0, 12, 9, 10, 16, 17, 3])
+    batch = ds.__getitems__(wanted)
+    assert set(batch) == {"image", "id"}, "the key column is left out by default"
+    _check_rows(batch, wanted)
+
+
+def test_getitem_returns_one_sample(tmp_path: Path) -> None:
+    ds = ShardSetDataset(*_shards(tmp_path, [5, 5]))
+    sample = ds[7]
+    assert int(sample["id"]) == 7
+    assert sample["image"].shape == ITEM_SHAPE
+
+
+def test_out_of_range_index_raises(tmp_path: Path) -> None:
+    ds = ShardSetDataset(*_shards(tmp_path, [5]))
+    with pytest.raises(IndexError):
+        ds.__getitems__([5])
+    with pytest.raises(IndexError):
+        ds.__getitems__([-1])
+
+
+def test_variable_width_column_comes_as_arrow(tmp_path: Path) -> None:
+    ds = ShardSetDataset(*_shards(tmp_path, [4, 4]), columns=["id", KEY_COLUMN])
+    batch = ds.__getitems__([6, 1])
+    assert isinstance(batch[KEY_COLUMN], pa.Array)
+    assert sorted(batch[KEY_COLUMN].to_pylist()) == sorted(str(int(i)) for i in batch["id"])
+
+
+def test_pickle_carries_paths_not_data(tmp_path: Path) -> None:
+    ds = ShardSetDataset(*_shards(tmp_path, [2000, 2000]))
+    ds.__getitems__([0, 3999])  # opens (maps) the shards in this process
+    data = pickle.dumps(ds)
+    assert len(data) < 4096, "pickling must not copy shard contents to DataLoader workers"
+    clone = pickle.loads(data)
+    _check_rows(clone.__getitems__([3999, 1]), np.array([3999, 1]))
+
+
+def test_workers_yield_the_same_samples(tmp_path: Path) -> None:
+    ds = ShardSetDataset(*_shards(tmp_path, [50, 30, 20]))
+    batches = [np.arange(i, min(i + 16, 100)) for i in range(0, 100, 16)]
+
+    def ids(workers: int) -> list[int]:
+        loader = DataLoader(ds, batch_sampler=batches, num_workers=workers, collate_fn=lambda b: b)
+        return sorted(int(i) for batch in loader for i in batch["id"])
+
+    assert ids(0) == list(range(100))
+    assert ids(2) == list(range(100))

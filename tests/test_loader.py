@@ -1,0 +1,135 @@
+"""EpochCachedLoader: epochs from ledger snapshots, leases, prepare-ahead, shuffling, bad shards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import wait_for, write_parquet_dataset
+from epochcache import CacheEmptyError, ConfigError, EpochCachedLoader, Ledger, SyncDaemon
+from epochcache.config import Config
+from epochcache.layout import CacheLayout
+
+ROWS = 6 * 4 * 32  # files x groups x rows
+
+
+@pytest.fixture
+def remote(tmp_path: Path) -> str:
+    import fsspec
+
+    write_parquet_dataset(fsspec.filesystem("file"), str(tmp_path / "remote"), files=6, rows_per_file=128, rows_per_group=32)
+    return str(tmp_path / "remote")
+
+
+@pytest.fixture
+def synced(remote: str, make_config: Callable[..., Config]) -> Config:
+    """A cache holding the whole remote (one --once pass with a roomy budget)."""
+    config = make_config(remote, **{"cache.max_bytes": "20MB", "cache.shard_bytes": "64KiB"})
+    SyncDaemon(config, progress=False).run(once=True)
+    return config
+
+
+def _epoch_ids(loader: EpochCachedLoader) -> list[int]:
+    return [int(i) for batch in loader for i in batch["id"]]
+
+
+def test_epoch_yields_every_cached_sample_once_as_tensors(synced: Config) -> None:
+    with EpochCachedLoader(synced.cache.dir, batch_size=50) as loader:
+        batches = list(loader)
+        assert all(isinstance(b["image"], torch.Tensor) and b["image"].dtype == torch.uint8 for b in batches)
+        ids = [int(i) for b in batches for i in b["id"]]
+        assert sorted(ids) == list(range(ROWS))
+        assert ids != sorted(ids), "shuffle is on by default"
+        info = loader.last_epoch
+        assert (info.epoch, info.samples, info.batches) == (0, ROWS, -(-ROWS // 50))
+
+
+def test_shuffle_is_seeded_by_seed_and_epoch(synced: Config) -> None:
+    with EpochCachedLoader(synced.cache.dir, batch_size=64, seed=3) as a, \
+         EpochCachedLoader(synced.cache.dir, batch_size=64, seed=3) as b, \
+         EpochCachedLoader(synced.cache.dir, batch_size=64, seed=4) as c:
+        a0, a1 = _epoch_ids(a), _epoch_ids(a)
+        assert a0 == _epoch_ids(b), "same (seed, epoch): same order"
+        assert a0 != a1, "a new epoch: a new order"
+        assert a0 != _epoch_ids(c), "another seed: another order"
+
+
+def test_no_shuffle_and_drop_last(synced: Config) -> None:
+    with EpochCachedLoader(synced.cache.dir, batch_size=100, shuffle=False, drop_last=True) as loader:
+        batches = list(loader)
+        assert len(batches) == ROWS // 100 and all(len(b["id"]) == 100 for b in batches)
+
+
+def test_lease_held_during_epoch_and_released_after(synced: Config) -> None:
+    ledger = Ledger(CacheLayout(Path(synced.cache.dir)).ledger)
+    loader = EpochCachedLoader(synced.cache.dir, batch_size=32, prepare_next_at=1.0)
+    for i, _ in enumerate(loader):
+        if i == 0:
+            leases = ledger.leases()
+            assert len(leases) == 1 and len(leases[0]["shards"]) == loader.last_epoch.shards
+    # after the epoch, only the next epoch (being prepared in the background) holds a lease
+    wait_for(lambda: len(ledger.leases()) == 1, timeout=10)
+    loader.close()
+    assert ledger.leases() == []
+    ledger.close()
+
+
+def test_breaking_out_of_an_epoch_releases_its_lease(synced: Config) -> None:
+    ledger = Ledger(CacheLayout(Path(synced.cache.dir)).ledger)
+    with EpochCachedLoader(synced.cache.dir, batch_size=32) as loader:
+        for _ in loader:
+            break
+        assert ledger.leases() == []
+    ledger.close()
+
+
+def test_next_epoch_is_prepared_ahead_and_sees_new_shards(remote: str, make_config: Callable[..., Config]) -> None:
+    small = make_config(remote, **{"cache.max_bytes": "600KB", "cache.shard_bytes": "64KiB"})
+    SyncDaemon(small, progress=False).run(once=True)
+    roomy = make_config(remote, **{"cache.max_bytes": "20MB", "cache.shard_bytes": "64KiB"})
+    with EpochCachedLoader(small.cache.dir, batch_size=16, prepare_next_at=0.8) as loader:
+        for i, _ in enumerate(loader):
+            if i == 0:  # the daemon publishes more before the next epoch's snapshot is taken
+                assert SyncDaemon(roomy, progress=False).run(once=True).shards_published > 0
+        first = loader.last_epoch
+        second_ids = _epoch_ids(loader)
+        second = loader.last_epoch
+    assert not first.prepared_ahead and second.prepared_ahead
+    assert second.shards > first.shards
+    assert sorted(second_ids) == list(range(ROWS))
+    assert second.first_batch_wait_s is not None and second.first_batch_wait_s < 1.0
+
+
+def test_workers_mode_yields_every_sample(synced: Config) -> None:
+    with EpochCachedLoader(synced.cache.dir, batch_size=40, num_workers=2) as loader:
+        assert sorted(_epoch_ids(loader)) == list(range(ROWS))
+        assert sorted(_epoch_ids(loader)) == list(range(ROWS))
+
+
+def test_corrupt_shard_is_skipped_and_epoch_completes(synced: Config) -> None:
+    layout = CacheLayout(Path(synced.cache.dir))
+    ledger = Ledger(layout.ledger)
+    victim = ledger.shards()[0]
+    ledger.close()
+    path = layout.shards / victim.filename
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with EpochCachedLoader(synced.cache.dir, batch_size=64) as loader:
+        ids = _epoch_ids(loader)
+        assert loader.last_epoch.skipped_shards == 1
+    assert len(ids) == ROWS - victim.rows and len(set(ids)) == len(ids)
+
+
+def test_empty_cache_times_out_with_a_clear_error(tmp_path: Path) -> None:
+    with EpochCachedLoader(tmp_path / "empty", wait_timeout_s=0.3) as loader:
+        with pytest.raises(CacheEmptyError, match="epochcache sync"):
+            next(iter(loader))
+
+
+def test_bad_loader_argument_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="batch_size"):
+        EpochCachedLoader(tmp_path, batch_size=0)
