@@ -53,7 +53,7 @@ class SourceConfig(_Section):
 
     url: str = Field(description="fsspec URL or local path of a Parquet file or a folder of them")
     format: Literal["parquet"] = "parquet"
-    columns: list[str] | None = Field(default=None, description="columns to fetch; null = all")
+    columns: list[str] | None = Field(default=None, min_length=1, description="columns to fetch; null = all")
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments for the fsspec filesystem (s3fs, ...)"
     )
@@ -116,7 +116,7 @@ class LoaderConfig(_Section):
     shuffle: bool = True
     drop_last: bool = False
     seed: int = Field(default=0, ge=0)
-    columns: list[str] | None = None
+    columns: list[str] | None = Field(default=None, min_length=1)
     prepare_next_at: float = Field(default=0.8, gt=0.0, le=1.0)
     lease_ttl_s: float = Field(default=60.0, gt=0.0)
     wait_timeout_s: float = Field(default=600.0, gt=0.0)

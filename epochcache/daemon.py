@@ -276,8 +276,8 @@ class _Run:
                 return None
             if waiting_since is None:
                 waiting_since = time.monotonic()
-                log.warning("backpressure: the budget is full and the shards that must go are leased by "
-                            "running epochs; they are retiring, waiting for those epochs to end")
+                log.info("backpressure: the budget is full and the shards that must go are leased by "
+                         "running epochs; they are retiring, waiting for those epochs to end")
             self.stop.wait(_BACKPRESSURE_POLL_S)
         return None
 

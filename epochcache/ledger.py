@@ -9,9 +9,9 @@ Invariants it keeps:
 
 - a shard file is visible to readers only once its record is published, and a record is removed
   before its file is deleted (``make_room`` returns victims; the caller deletes their files after);
-- a shard named by an unexpired lease is never chosen as an eviction victim; when only leased
-  shards could make room they are marked retiring, left out of new snapshots, and evicted once
-  their leases end, so a trainer that always holds an epoch cannot stall the cache's rotation;
+- a shard named by an unexpired lease is never deleted: the policy's picks are marked retiring,
+  left out of new snapshots, and evicted once no lease holds them, so a trainer that always holds
+  an epoch cannot stall the cache's rotation, and the daemon waits rather than break the budget;
 - bytes are accounted here (shard records + reservation + the ledger's own files), never by
   scanning the shard folder.
 """
@@ -141,13 +141,15 @@ class Ledger:
         return sum(entry.stat().st_size for entry in os.scandir(self._dir) if entry.is_file())
 
     def make_room(self, nbytes: int, budget: int, choose: Chooser) -> list[ShardRecord] | None:
-        """Reserve ``nbytes`` within ``budget``, evicting unleased shards chosen by ``choose``.
+        """Reserve ``nbytes`` within ``budget``, evicting the shards that ``choose`` picks.
 
-        Returns the evicted records (already removed from the ledger; the caller deletes their
-        files), or None when the room cannot be made now; then nothing is evicted, but the shards
-        ``choose`` picks among the leased ones are marked *retiring*: later snapshots leave them out,
-        so they become evictable once the leases holding them end. Retiring shards go first.
-        ``choose=lambda *_: []`` reserves only if room is free and never retires anything.
+        ``choose`` orders all shards not yet retiring, leased or not, so a policy is never bent by
+        leases (fifo never evicts a new shard because the old ones are in use, which would churn
+        unread shards at wire speed). Picked shards become *retiring*: new snapshots leave them out,
+        and each is evicted as soon as no lease holds it. Returns the evicted records (already removed
+        from the ledger; the caller deletes their files), or None when the retiring shards free too
+        little yet; then nothing is reserved and the caller waits. ``choose=lambda *_: []`` reserves
+        only if the room is free and never retires anything.
         """
         with self._cache.transact(retry=True):
             records = list(self._records())
@@ -155,22 +157,18 @@ class Ledger:
             need = used + nbytes - budget
             victims: list[ShardRecord] = []
             if need > 0:
+                retiring_ids = set(self._cache.get(_RETIRING, ()))
+                retiring = [r for r in records if r.id in retiring_ids]
+                short = need - sum(r.nbytes for r in retiring)
+                if short > 0:
+                    retiring += choose([r for r in records if r.id not in retiring_ids], short)
                 leased = {sid for lease in self._live_leases() for sid in lease["shards"]}
-                retiring = set(self._cache.get(_RETIRING, ()))
-                ready = [r for r in records if r.id in retiring and r.id not in leased]
-                victims = take_until(ready, need)
-                rest = need - sum(v.nbytes for v in victims)
-                if rest > 0:
-                    victims += choose([r for r in records if r.id not in leased and r.id not in retiring], rest)
+                victims = take_until([r for r in retiring if r.id not in leased], need)
                 if sum(v.nbytes for v in victims) < need:
-                    # Retire just enough, counting shards already retiring under a lease.
-                    coming = sum(r.nbytes for r in records if r.id in retiring and r.id in leased)
-                    short = need - sum(v.nbytes for v in victims) - coming
-                    if short > 0:
-                        marked = choose([r for r in records if r.id not in retiring], short)
-                        self._cache.set(_RETIRING, sorted(retiring | {r.id for r in marked}))
+                    self._cache.set(_RETIRING, sorted(r.id for r in retiring))
                     return None
-                self._cache.set(_RETIRING, sorted(retiring - {v.id for v in victims}))
+                evicted = {v.id for v in victims}
+                self._cache.set(_RETIRING, sorted(r.id for r in retiring if r.id not in evicted))
             for victim in victims:
                 self._cache.delete(_SHARD + victim.id)
             self._cache.set(_RESERVED, int(self._cache.get(_RESERVED, 0)) + nbytes)

@@ -37,6 +37,8 @@ class ParquetSource:
         columns: Sequence[str] | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
+        if columns is not None and not columns:
+            raise SourceError("source.columns is an empty list: name at least one column, or null for all")
         self.url = url
         self.columns = list(columns) if columns is not None else None
         self._fs, self._root = fsspec.core.url_to_fs(url, **(storage_options or {}))
@@ -108,12 +110,11 @@ class ParquetSource:
             )
 
     def _byte_range(self, metadata: pq.FileMetaData, index: int) -> tuple[int, int]:
+        """The span of file bytes holding row group ``index``'s chunks of the wanted columns."""
         group = metadata.row_group(index)
         spans = []
-        for i in range(group.num_columns):
-            chunk = group.column(i)
-            if self.columns is not None and chunk.path_in_schema.split(".")[0] not in self.columns:
-                continue
+        for leaf in _leaf_columns(metadata, self.columns):
+            chunk = group.column(leaf)
             start = chunk.data_page_offset
             if chunk.has_dictionary_page and chunk.dictionary_page_offset:
                 start = min(start, chunk.dictionary_page_offset)
@@ -132,3 +133,32 @@ def _buffered(path: str, size: int, parts: dict[tuple[int, int], bytes]) -> Alre
     return AlreadyBufferedFile(
         fs=None, path=path, mode="rb", cache_type="parts", cache_options={"data": parts}, size=size
     )
+
+
+def _leaf_columns(metadata: pq.FileMetaData, columns: Sequence[str] | None) -> list[int]:
+    """Indices of the Parquet leaf columns that store the top-level ``columns`` (None = all).
+
+    Matched by position, not by dotted path, so a column named ``"a.b"`` is not mistaken for
+    field ``b`` of a struct ``a``.
+    """
+    schema = metadata.schema.to_arrow_schema()
+    wanted = set(schema.names if columns is None else columns)
+    leaves, first = [], 0
+    for field in schema:
+        count = _leaf_count(field.type)
+        if field.name in wanted:
+            leaves.extend(range(first, first + count))
+        first += count
+    return leaves
+
+
+def _leaf_count(arrow_type: pa.DataType) -> int:
+    if isinstance(arrow_type, pa.ExtensionType):
+        return _leaf_count(arrow_type.storage_type)
+    if pa.types.is_struct(arrow_type):
+        return sum(_leaf_count(arrow_type.field(i).type) for i in range(arrow_type.num_fields))
+    if pa.types.is_map(arrow_type):
+        return _leaf_count(arrow_type.key_type) + _leaf_count(arrow_type.item_type)
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type):
+        return _leaf_count(arrow_type.value_type)
+    return 1

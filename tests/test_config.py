@@ -1,0 +1,296 @@
+"""Tests for epochcache.config: loading, merging, validating and reporting errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from epochcache.cli import main
+from epochcache.config import Config, load_config
+from epochcache.errors import ConfigError
+
+
+def write_yaml(path: Path, data: dict[str, Any]) -> Path:
+    """Write ``data`` as YAML to ``path`` and return the path."""
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+def minimal(tmp_path: Path, **sections: dict[str, Any]) -> Path:
+    """A valid config.yaml in ``tmp_path`` with a source and a cache section, plus ``sections``."""
+    data: dict[str, Any] = {
+        "source": {"url": "s3://bucket/prefix/"},
+        "cache": {"dir": str(tmp_path / "cache")},
+    }
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return write_yaml(tmp_path / "config.yaml", data)
+
+
+def test_load_config_reads_yaml_file(tmp_path: Path) -> None:
+    path = minimal(
+        tmp_path,
+        cache={"max_bytes": "2GB", "shard_bytes": "1MB"},
+        sampler={"seed": 7, "concurrency": 3},
+        loader={"batch_size": 16, "columns": ["id"]},
+    )
+    config = load_config(path, env={})
+    assert isinstance(config, Config)
+    assert config.source.url == "s3://bucket/prefix/"
+    assert config.cache.dir == str(tmp_path / "cache")
+    assert config.cache.max_bytes == 2 * 10**9
+    assert config.cache.shard_bytes == 10**6
+    assert config.sampler.seed == 7
+    assert config.sampler.concurrency == 3
+    assert config.loader.batch_size == 16
+    assert config.loader.columns == ["id"]
+    # Untouched keys keep their defaults.
+    assert config.loader.num_workers == 0
+    assert config.cache.eviction == "fifo"
+
+
+def test_config_is_frozen(tmp_path: Path) -> None:
+    config = load_config(minimal(tmp_path), env={})
+    with pytest.raises(Exception):
+        config.cache.max_bytes = 1  # type: ignore[misc]
+    assert config.cache.max_bytes == 10 * 10**9
+
+
+def test_unknown_key_inside_section_names_dotted_path_and_valid_keys(tmp_path: Path) -> None:
+    path = minimal(tmp_path, cache={"max_byts": "1GB"})
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    message = str(info.value)
+    assert "cache.max_byts" in message
+    for key in ("dir", "eviction", "max_bytes", "shard_bytes"):
+        assert key in message
+    assert "\n" not in message
+
+
+def test_unknown_key_at_top_level_lists_sections(tmp_path: Path) -> None:
+    path = minimal(tmp_path, samplr={"seed": 1})
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    message = str(info.value)
+    assert "samplr" in message
+    for key in ("cache", "loader", "sampler", "source"):
+        assert key in message
+
+
+def test_unknown_key_via_override_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"loader\.batchsize"):
+        load_config(minimal(tmp_path), overrides=["loader.batchsize=3"], env={})
+
+
+@pytest.mark.parametrize(
+    ("field", "text", "expected"),
+    [
+        ("shard_bytes", "64MB", 64_000_000),
+        ("shard_bytes", "64MiB", 2**26),
+        ("max_bytes", "3GB", 3 * 10**9),
+        ("max_bytes", "2GiB", 2 * 2**30),
+        ("shard_bytes", 1_048_576, 1_048_576),
+    ],
+)
+def test_sizes_accept_decimal_and_binary_units(tmp_path: Path, field: str, text: Any, expected: int) -> None:
+    path = minimal(tmp_path, cache={field: text})
+    config = load_config(path, env={})
+    assert int(getattr(config.cache, field)) == expected
+
+
+def test_max_bytes_64mib_exact(tmp_path: Path) -> None:
+    path = minimal(tmp_path, cache={"max_bytes": "64MiB", "shard_bytes": "1MiB"})
+    config = load_config(path, env={})
+    assert config.cache.max_bytes == 2**26
+    assert config.cache.shard_bytes == 2**20
+
+
+def test_bad_size_string_names_key_and_value(tmp_path: Path) -> None:
+    path = minimal(tmp_path, cache={"max_bytes": "12 zorks"})
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    message = str(info.value)
+    assert "cache.max_bytes" in message
+    assert "12 zorks" in message
+
+
+def test_budget_must_hold_two_shards(tmp_path: Path) -> None:
+    path = minimal(tmp_path, cache={"max_bytes": "1MB", "shard_bytes": "1MB"})
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    message = str(info.value)
+    assert "cache.max_bytes" in message
+    assert "2000000" in message  # the minimum budget, 2 * shard_bytes
+
+
+def test_budget_of_exactly_two_shards_is_accepted(tmp_path: Path) -> None:
+    path = minimal(tmp_path, cache={"max_bytes": "2MB", "shard_bytes": "1MB"})
+    assert load_config(path, env={}).cache.max_bytes == 2_000_000
+
+
+def test_shard_bytes_below_64kib_refused(tmp_path: Path) -> None:
+    path = minimal(tmp_path, cache={"shard_bytes": "1KB"})
+    with pytest.raises(ConfigError, match=r"cache\.shard_bytes"):
+        load_config(path, env={})
+
+
+def test_precedence_defaults_yaml_env_overrides(tmp_path: Path) -> None:
+    path = minimal(tmp_path, cache={"max_bytes": "1GB", "shard_bytes": "1MB"}, sampler={"seed": 3})
+
+    # Defaults under YAML.
+    assert load_config(path, env={}).cache.max_bytes == 10**9
+    assert load_config(path, env={}).sampler.concurrency == 8
+
+    env = {"EPOCHCACHE_CACHE__MAX_BYTES": "2GB", "EPOCHCACHE_SAMPLER__CONCURRENCY": "4"}
+    from_env = load_config(path, env=env)
+    assert from_env.cache.max_bytes == 2 * 10**9  # env over YAML
+    assert from_env.sampler.concurrency == 4  # env over defaults, typed like YAML
+    assert from_env.sampler.seed == 3  # YAML kept where env says nothing
+
+    from_strings = load_config(path, overrides=["cache.max_bytes=3GB"], env=env)
+    assert from_strings.cache.max_bytes == 3 * 10**9  # override over env
+    assert from_strings.sampler.concurrency == 4
+
+    from_mapping = load_config(path, overrides={"cache.max_bytes": "4GB", "sampler.seed": 9}, env=env)
+    assert from_mapping.cache.max_bytes == 4 * 10**9
+    assert from_mapping.sampler.seed == 9
+
+
+def test_env_ignores_names_without_section_separator(tmp_path: Path) -> None:
+    path = minimal(tmp_path)
+    config = load_config(path, env={"EPOCHCACHE_MAX_BYTES": "garbage", "OTHER__THING": "x"})
+    assert config.cache.max_bytes == 10 * 10**9
+
+
+def test_env_defaults_to_os_environ(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EPOCHCACHE_SAMPLER__SEED", "42")
+    assert load_config(minimal(tmp_path)).sampler.seed == 42
+    # An explicit env mapping replaces os.environ entirely.
+    assert load_config(minimal(tmp_path), env={}).sampler.seed == 0
+
+
+def test_override_values_are_typed_like_yaml(tmp_path: Path) -> None:
+    config = load_config(
+        minimal(tmp_path), overrides=["loader.shuffle=false", "loader.prepare_next_at=0.5"], env={}
+    )
+    assert config.loader.shuffle is False
+    assert config.loader.prepare_next_at == 0.5
+
+
+def test_relative_paths_resolve_against_yaml_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conf_dir = tmp_path / "conf"
+    conf_dir.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    path = write_yaml(
+        conf_dir / "config.yaml",
+        {"source": {"url": "data/remote"}, "cache": {"dir": "../cache"}},
+    )
+    monkeypatch.chdir(elsewhere)
+    config = load_config(path, env={})
+    assert config.source.url == str((conf_dir / "data" / "remote").resolve())
+    assert config.cache.dir == str((tmp_path / "cache").resolve())
+
+    # A relative config path given from another working directory means the same thing.
+    monkeypatch.chdir(tmp_path)
+    again = load_config(Path("conf") / "config.yaml", env={})
+    assert again.source.url == config.source.url
+    assert again.cache.dir == config.cache.dir
+
+
+def test_urls_with_scheme_and_absolute_paths_stay_as_is(tmp_path: Path) -> None:
+    path = write_yaml(
+        tmp_path / "config.yaml",
+        {"source": {"url": "s3://bucket/some/prefix/"}, "cache": {"dir": "/abs/cache/dir"}},
+    )
+    config = load_config(path, env={})
+    assert config.source.url == "s3://bucket/some/prefix/"
+    assert config.cache.dir == "/abs/cache/dir"
+
+
+def test_invalid_yaml_reports_line_number(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("source:\n  url: s3://b/p\ncache:\n  dir: x\n   max_bytes: 1GB\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    message = str(info.value)
+    assert str(path) in message
+    assert "line 5" in message  # the over-indented max_bytes line
+    assert "not valid YAML" in message
+    assert "\n" not in message
+
+
+def test_yaml_top_level_must_be_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("- just\n- a list\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path, env={})
+
+
+def test_missing_file_is_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert "nope.yaml" in str(info.value)
+
+
+def test_missing_required_keys_named(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "config.yaml", {"source": {"url": "s3://b/p"}})
+    with pytest.raises(ConfigError, match="cache"):
+        load_config(path, env={})
+
+
+@pytest.mark.parametrize("key", ["sampler.seed", "loader.seed"])
+def test_negative_seed_refused(tmp_path: Path, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(minimal(tmp_path), overrides={key: -1}, env={})
+    assert key in str(info.value)
+    assert "-1" in str(info.value)
+
+
+@pytest.mark.parametrize("item", ["nokey", "=3", "  =x"])
+def test_malformed_override_refused(tmp_path: Path, item: str) -> None:
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(minimal(tmp_path), overrides=[item], env={})
+
+
+def test_override_into_scalar_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not a section"):
+        load_config(minimal(tmp_path), overrides=["cache.dir.sub=1"], env={})
+
+
+def test_defaults_only_with_overrides(tmp_path: Path) -> None:
+    config = load_config(None, {"source.url": "s3://b/p", "cache.dir": str(tmp_path / "c")}, env={})
+    assert config.sampler.seed == 0
+    assert config.cache.dir == str(tmp_path / "c")
+
+
+def test_cli_bad_config_prints_one_line_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = minimal(tmp_path, cache={"max_byts": "1GB"})
+    code = main(["status", "--config", str(bad)])
+    captured = capsys.readouterr()
+    assert code == 2
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("epochcache: error:")
+    assert "cache.max_byts" in lines[0]
+    assert "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_cli_missing_config_prints_one_line_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["status", "--config", str(tmp_path / "absent.yaml")])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert len(captured.err.splitlines()) == 1
+    assert captured.err.startswith("epochcache: error:")
+    assert "Traceback" not in captured.err
