@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -56,15 +56,15 @@ class StopReason(str, Enum):
 
 @dataclass
 class SyncReport:
-    """What one ``SyncDaemon.run`` did; unit keys are ``<object path>#<unit index>``."""
+    """What one ``SyncDaemon.run`` did, in counts (a daemon runs for days: no per-unit lists)."""
 
     reason: StopReason = StopReason.STOPPED
     shards_published: int = 0
     bytes_published: int = 0
     samples_published: int = 0
     evicted: int = 0
-    units_fetched: list[str] = field(default_factory=list)
-    units_published: list[str] = field(default_factory=list)
+    units_fetched: int = 0
+    units_published: int = 0
 
 
 @dataclass
@@ -101,9 +101,20 @@ class _Throttle:
 class SyncDaemon:
     """Keeps ``config.cache.dir`` filled with shards sampled from ``config.source``."""
 
-    def __init__(self, config: Config, *, progress: bool | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        progress: bool | None = None,
+        on_fetch: Callable[[Unit], None] | None = None,
+        on_publish: Callable[[ShardRecord], None] | None = None,
+    ) -> None:
+        """``progress``: a bar (None: only on a terminal). ``on_fetch`` / ``on_publish``: hooks
+        called in the daemon's thread with each unit read from the remote and each shard published
+        (metrics, audits); they must be quick."""
         self.config = config
         self.layout = CacheLayout.create(config.cache.dir)
+        self.on_fetch, self.on_publish = on_fetch, on_publish
         self._policy = policy_named(config.cache.eviction)
         self._progress = progress
 
@@ -129,6 +140,7 @@ class _Run:
 
     def __init__(self, daemon: SyncDaemon, ledger: Ledger, source: Source, stop: threading.Event, once: bool):
         self.cfg, self.layout, self.policy = daemon.config, daemon.layout, daemon._policy
+        self.on_fetch, self.on_publish = daemon.on_fetch, daemon.on_publish
         self.ledger, self.source, self.stop, self.once = ledger, source, stop, once
         self.report = SyncReport()
         self.cached = {unit for record in ledger.shards() for unit in record.units}
@@ -143,7 +155,7 @@ class _Run:
         with ThreadPoolExecutor(self.cfg.sampler.concurrency, thread_name_prefix="fetch") as pool:
             try:
                 while not self.stop.is_set():
-                    fetched_before = len(self.report.units_fetched)
+                    fetched_before = self.report.units_fetched
                     reason = self._pass(pool, cursor)
                     if reason is not None:
                         self.report.reason = reason
@@ -153,7 +165,7 @@ class _Run:
                     if self.once:
                         self.report.reason = StopReason.EXHAUSTED
                         break
-                    if len(self.report.units_fetched) == fetched_before:
+                    if self.report.units_fetched == fetched_before:
                         log.info("every unit of the remote is cached; checking again in %.0fs", _IDLE_POLL_S)
                         self.stop.wait(_IDLE_POLL_S)
             finally:
@@ -224,7 +236,9 @@ class _Run:
         if future is None:
             return unit, after, None
         table = future.result()
-        self.report.units_fetched.append(unit.key)
+        self.report.units_fetched += 1
+        if self.on_fetch is not None:
+            self.on_fetch(unit)
         self.bar.update(table.nbytes)
         self.throttle.consume(table.nbytes)
         return unit, after, table
@@ -257,7 +271,9 @@ class _Run:
         self.report.shards_published += 1
         self.report.bytes_published += nbytes
         self.report.samples_published += record.rows
-        self.report.units_published.extend(record.units)
+        self.report.units_published += len(record.units)
+        if self.on_publish is not None:
+            self.on_publish(record)
         self.bar.set_postfix(shards=self.report.shards_published, samples=self.report.samples_published,
                              evicted=self.report.evicted, refresh=False)
         log.debug("published shard %s: %d rows, %d bytes", shard_id, record.rows, nbytes)

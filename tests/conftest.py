@@ -112,6 +112,23 @@ def wait_for(condition: Callable[[], Any], timeout: float = 30.0, interval: floa
         time.sleep(interval)
 
 
+class UnitLog:
+    """Collects the unit keys a daemon fetched and published, through its hooks."""
+
+    def __init__(self) -> None:
+        self.fetched: list[str] = []
+        self.published: list[str] = []
+
+    def daemon(self, config: Config) -> Any:
+        from epochcache import SyncDaemon
+
+        return SyncDaemon(
+            config, progress=False,
+            on_fetch=lambda unit: self.fetched.append(unit.key),
+            on_publish=lambda record: self.published.extend(record.units),
+        )
+
+
 class DaemonThread:
     """Runs ``SyncDaemon.run`` in a thread; ``stop()`` sets its stop event and returns its report."""
 

@@ -13,7 +13,7 @@ import fsspec
 import pytest
 import yaml
 
-from conftest import DaemonThread, wait_for, write_parquet_dataset
+from conftest import DaemonThread, UnitLog, wait_for, write_parquet_dataset
 from epochcache import DaemonRunningError, Ledger, SyncDaemon
 from epochcache.config import Config
 from epochcache.daemon import StopReason
@@ -58,25 +58,24 @@ def test_once_stops_when_the_budget_is_full(remote: str, make_config: Callable[.
 
 def test_once_with_room_caches_one_whole_pass_exactly_once(remote: str, make_config: Callable[..., Config]) -> None:
     config = make_config(remote, **{"cache.max_bytes": "20MB", "cache.shard_bytes": "100KB"})
-    report = SyncDaemon(config, progress=False).run(once=True)
+    log = UnitLog()
+    report = log.daemon(config).run(once=True)
     assert report.reason is StopReason.EXHAUSTED
-    assert sorted(report.units_published) == sorted(set(report.units_published))
-    assert len(report.units_published) == UNITS
+    assert len(log.published) == len(set(log.published)) == UNITS == report.units_published
     assert report.samples_published == UNITS * 32
     again = SyncDaemon(config, progress=False).run(once=True)
-    assert again.units_fetched == [], "every unit is cached: the next pass fetches nothing"
+    assert again.units_fetched == 0, "every unit is cached: the next pass fetches nothing"
 
 
 def test_restart_resumes_the_cursor(remote: str, make_config: Callable[..., Config]) -> None:
     small = make_config(remote, **{"cache.max_bytes": "700KB", "cache.shard_bytes": "100KB"})
-    first = SyncDaemon(small, progress=False).run(once=True)
+    first, second = UnitLog(), UnitLog()
+    first.daemon(small).run(once=True)
     roomy = make_config(remote, **{"cache.max_bytes": "20MB", "cache.shard_bytes": "100KB"})
-    second = SyncDaemon(roomy, progress=False).run(once=True)
-    assert set(second.units_fetched).isdisjoint(first.units_published)
-    assert sorted(first.units_published + second.units_published) == sorted(
-        set(first.units_published) | set(second.units_published)
-    )
-    assert len(first.units_published) + len(second.units_published) == UNITS
+    second.daemon(roomy).run(once=True)
+    assert first.published and set(second.fetched).isdisjoint(first.published)
+    published = first.published + second.published
+    assert len(published) == len(set(published)) == UNITS
 
 
 def test_continuous_sync_rotates_within_the_budget(remote: str, make_config: Callable[..., Config]) -> None:

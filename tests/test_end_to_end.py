@@ -11,8 +11,8 @@ from typing import Any
 import pyarrow as pa
 import s3fs
 
-from conftest import DaemonThread, make_table, wait_for, write_parquet_dataset
-from epochcache import EpochCachedLoader, Ledger, SyncDaemon
+from conftest import DaemonThread, UnitLog, make_table, wait_for, write_parquet_dataset
+from epochcache import EpochCachedLoader, Ledger
 from epochcache.config import Config
 from epochcache.daemon import StopReason
 from epochcache.layout import CacheLayout
@@ -70,7 +70,8 @@ def test_remote_to_three_epochs_within_budget_and_resumable(
     })
     ledger = Ledger(CacheLayout.create(config.cache.dir).ledger)
     watcher = DiskWatcher(Path(config.cache.dir))
-    runner = DaemonThread(SyncDaemon(config, progress=False))
+    first_run = UnitLog()
+    runner = DaemonThread(first_run.daemon(config))
 
     def grew_or_full(shards: int) -> bool:
         usage = ledger.usage()
@@ -87,7 +88,7 @@ def test_remote_to_three_epochs_within_budget_and_resumable(
                 seen.extend(int(x) for x in batch["id"])
             epochs.append(loader.last_epoch)
             assert sorted(seen) == sorted(set(seen)) and len(seen) == loader.last_epoch.samples
-    first_run = runner.stop()
+    runner.stop()
     peak = watcher.stop()
 
     counts = [e.shards for e in epochs]
@@ -98,10 +99,10 @@ def test_remote_to_three_epochs_within_budget_and_resumable(
 
     # A restarted daemon (a roomier budget, so it can finish the pass) fetches nothing published before.
     roomy = config.model_copy(update={"cache": config.cache.model_copy(update={"max_bytes": 50_000_000})})
-    second_run = SyncDaemon(roomy, progress=False).run(once=True)
-    assert second_run.reason is StopReason.EXHAUSTED
-    assert set(second_run.units_fetched).isdisjoint(first_run.units_published)
-    published = first_run.units_published + second_run.units_published
+    second_run = UnitLog()
+    assert second_run.daemon(roomy).run(once=True).reason is StopReason.EXHAUSTED
+    assert first_run.published and set(second_run.fetched).isdisjoint(first_run.published)
+    published = first_run.published + second_run.published
     assert len(published) == len(set(published)) == UNITS, "the pass covered every unit exactly once"
     keys = _cached_keys(config)
     assert len(keys) == len(set(keys))
