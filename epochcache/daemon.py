@@ -138,7 +138,7 @@ class SyncDaemon:
 class _Run:
     """The state of one ``SyncDaemon.run``; see the module docstring for the invariants."""
 
-    def __init__(self, daemon: SyncDaemon, ledger: Ledger, source: Source, stop: threading.Event, once: bool):
+    def __init__(self, daemon: SyncDaemon, ledger: Ledger, source: Source, stop: threading.Event, once: bool) -> None:
         self.cfg, self.layout, self.policy = daemon.config, daemon.layout, daemon._policy
         self.on_fetch, self.on_publish = daemon.on_fetch, daemon.on_publish
         self.ledger, self.source, self.stop, self.once = ledger, source, stop, once
