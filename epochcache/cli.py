@@ -21,10 +21,9 @@ log = logging.getLogger("epochcache")
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    # Only our logger gets DEBUG: botocore's debug lines carry request headers, credentials included.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return int(args.func(args))
     except EpochcacheError as exc:
@@ -34,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epochcache", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging of epochcache itself")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
     sync = commands.add_parser("sync", help="run the sync daemon: sample the remote into the cache")

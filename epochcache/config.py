@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 from epochcache.errors import ConfigError
+from epochcache.ledger import LEDGER_RESERVE
 
 ENV_PREFIX = "EPOCHCACHE_"
 
@@ -73,6 +74,9 @@ class CacheConfig(_Section):
     max_bytes: ByteSize = Field(default=ByteSize(10 * 10**9), description="hard disk budget")
     shard_bytes: ByteSize = Field(default=ByteSize(64 * 10**6), description="target shard size")
     eviction: Literal["fifo"] = "fifo"
+    low_watermark: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="once room must be made, evict down to this fraction of max_bytes"
+    )
 
     @field_validator("dir")
     @classmethod
@@ -88,12 +92,14 @@ class CacheConfig(_Section):
 
     @model_validator(mode="after")
     def _budget_holds_two_shards(self) -> CacheConfig:
-        # One published shard plus the one being written must fit, or the daemon could never publish.
-        if self.max_bytes < 2 * self.shard_bytes:
+        # One published shard plus the one being written must fit beside the ledger (its reserve and
+        # as much again for the database's growth), or the daemon could never publish.
+        minimum = 2 * int(self.shard_bytes) + 2 * LEDGER_RESERVE
+        if self.max_bytes < minimum:
             raise ValueError(
-                f"max_bytes={int(self.max_bytes)} cannot hold two shards of "
-                f"shard_bytes={int(self.shard_bytes)}: raise cache.max_bytes to at least "
-                f"{2 * int(self.shard_bytes)} or lower cache.shard_bytes"
+                f"max_bytes={int(self.max_bytes)} cannot hold two shards of shard_bytes="
+                f"{int(self.shard_bytes)} plus the ledger: raise cache.max_bytes to at least {minimum} "
+                "or lower cache.shard_bytes"
             )
         return self
 
@@ -104,7 +110,7 @@ class SamplerConfig(_Section):
     seed: int = Field(default=0, ge=0)
     concurrency: int = Field(default=8, ge=1, le=256, description="remote reads in flight")
     max_bytes_per_s: ByteSize | None = Field(
-        default=None, description="cap on the daemon's read rate; null = unlimited"
+        default=None, gt=0, description="cap on the daemon's intake (decoded Arrow bytes/s); null = none"
     )
 
 
@@ -176,7 +182,9 @@ def format_validation_error(exc: ValidationError) -> str:
             parts.append(f"{loc}: required key is missing")
         else:
             msg = err["msg"].removeprefix("Value error, ")
-            parts.append(f"{loc} = {err['input']!r}: {msg}")
+            # A section-level check names its keys in the message; its input is the whole section.
+            value = "" if isinstance(err["input"], dict) else f" = {err['input']!r}"
+            parts.append(f"{loc}{value}: {msg}")
     return "; ".join(parts)
 
 

@@ -83,19 +83,23 @@ class _Building:
 
 
 class _Throttle:
-    """Sleeps (interruptibly) so that bytes consumed stay under ``rate`` per second."""
+    """Keeps intake under ``rate`` bytes/s with at most one second of burst (interruptible sleeps).
+
+    Credit does not pile up while the daemon waits (backpressure, idle): after a pause it resumes at
+    ``rate``, not with a burst of everything it could have read meanwhile.
+    """
 
     def __init__(self, rate: int | None, stop: threading.Event) -> None:
         self._rate, self._stop = rate, stop
-        self._start, self._total = time.monotonic(), 0
+        self._next_free = time.monotonic()
 
     def consume(self, nbytes: int) -> None:
         if not self._rate:
             return
-        self._total += nbytes
-        delay = self._start + self._total / self._rate - time.monotonic()
-        if delay > 0:
-            self._stop.wait(delay)
+        now = time.monotonic()
+        self._next_free = max(self._next_free, now - 1.0) + nbytes / self._rate
+        if self._next_free > now:
+            self._stop.wait(self._next_free - now)
 
 
 class SyncDaemon:
@@ -145,13 +149,14 @@ class _Run:
         self.report = SyncReport()
         self.cached = {unit for record in ledger.shards() for unit in record.units}
         self.throttle = _Throttle(self.cfg.sampler.max_bytes_per_s, stop)
+        self.evict_to = int(self.cfg.cache.max_bytes * self.cfg.cache.low_watermark)
         # disable=None: a bar on a terminal, none when output goes to a file or pipe.
         show = daemon._progress
         self.bar = tqdm(desc="sync", unit="B", unit_scale=True, unit_divisor=1024,
                         disable=None if show is None else not show)
 
     def execute(self) -> SyncReport:
-        cursor = Cursor.from_dict(self.ledger.cursor())
+        cursor = self._resume()
         with ThreadPoolExecutor(self.cfg.sampler.concurrency, thread_name_prefix="fetch") as pool:
             try:
                 while not self.stop.is_set():
@@ -199,12 +204,29 @@ class _Run:
     def _stop_reason(self) -> StopReason:
         return StopReason.STOPPED if self.stop.is_set() else StopReason.BUDGET_FULL
 
+    def _resume(self) -> Cursor:
+        """The cursor to go on from: the ledger's, unless it was left by another remote order."""
+        listing = self.ledger.listing()
+        if listing and listing.get("order") != self._order():
+            log.warning("source.url, source.columns or sampler.seed changed since the last run: "
+                        "starting a new order from its first pass; cached shards rotate out as usual")
+            self.ledger.set_listing({})
+            self.ledger.set_cursor(Cursor().to_dict())
+            return Cursor()
+        return Cursor.from_dict(self.ledger.cursor())
+
+    def _order(self) -> list[object]:
+        """What fixes the remote order; a cursor is meaningless under another one."""
+        return [self.cfg.source.url, self.cfg.source.columns, self.cfg.sampler.seed]
+
     def _objects(self, pass_: int) -> list[RemoteObject]:
         """The listing this pass walks: taken once per pass and kept in the ledger across restarts."""
         listing = self.ledger.listing()
-        if listing is None or listing["pass"] != pass_:
+        if not listing or listing["pass"] != pass_:
             objects = self.source.list_objects()
-            self.ledger.set_listing({"pass": pass_, "objects": [(o.path, o.size) for o in objects]})
+            self.ledger.set_listing(
+                {"order": self._order(), "pass": pass_, "objects": [(o.path, o.size) for o in objects]}
+            )
             return objects
         return [RemoteObject(path, size) for path, size in listing["objects"]]
 
@@ -248,7 +270,7 @@ class _Run:
         table = pa.concat_tables(building.tables).combine_chunks()
         nbytes = encoded_size(table)
         budget = int(self.cfg.cache.max_bytes)
-        if nbytes > budget - self.ledger.disk_bytes():
+        if nbytes > budget - self.ledger.disk_bytes():  # a bigger shard than configured: one huge row group
             raise BudgetError(
                 f"a shard of {nbytes} bytes does not fit in cache.max_bytes={budget}: raise the budget "
                 f"or lower cache.shard_bytes (row groups of the remote are the smallest unit)"
@@ -284,7 +306,7 @@ class _Run:
         choose = (lambda *_: []) if self.once else self.policy
         waiting_since = None
         while not self.stop.is_set():
-            victims = self.ledger.make_room(nbytes, budget, choose)
+            victims = self.ledger.make_room(nbytes, budget, choose, evict_to=self.evict_to)
             if victims is not None:
                 self._delete(victims)
                 return victims

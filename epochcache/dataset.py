@@ -8,8 +8,9 @@ batch's freshly allocated array, which torch then wraps without a copy: one copy
 itself. Samples of a batch are grouped by shard (stable within a shard), which keeps that copy
 single; the batch is the same set of samples the sampler chose.
 
-Other columns (strings, variable-length binary, columns with nulls) come out as pyarrow arrays taken
-per batch, never as Python objects per sample.
+Other columns (strings, variable-length binary, nested lists) come out as pyarrow arrays taken per
+batch, never as Python objects per sample. Which kind a column is follows from its type alone, so it
+is the same in every batch; nulls in a fixed-width column are an error, not a silent change of kind.
 
 Shards are opened lazily in the process that reads them, so pickling the dataset into DataLoader
 workers sends paths, never data.
@@ -26,6 +27,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import Dataset
 
+from epochcache.errors import LoaderError
 from epochcache.shards import open_shard
 from epochcache.sources.base import KEY_COLUMN
 
@@ -85,37 +87,48 @@ class ShardSetDataset(Dataset[Batch]):
 
     def _open(self) -> list[dict[str, np.ndarray | pa.Array]]:
         if self._views is None:
-            self._views = [self._view(open_shard(Path(path))) for path in self._paths]
+            self._views = [self._view(open_shard(Path(path)), path) for path in self._paths]
         return self._views
 
-    def _view(self, table: pa.Table) -> dict[str, np.ndarray | pa.Array]:
+    def _view(self, table: pa.Table, path: str) -> dict[str, np.ndarray | pa.Array]:
         names = self._columns or [n for n in table.column_names if n != KEY_COLUMN]
         missing = [n for n in names if n not in table.column_names]
         if missing:
-            raise KeyError(f"columns {missing} not in shard; it has {table.column_names}")
+            raise LoaderError(f"loader.columns names {missing}, absent from shard {path}: it has {table.column_names}")
         views: dict[str, np.ndarray | pa.Array] = {}
         for name in names:
             column = table.column(name)
             # Shards hold one record batch, so this is the one chunk itself, not a copy.
             array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-            views[name] = _numpy_view(array)
-            if views[name] is None:
+            if not _is_fixed_width(array.type):
                 views[name] = array
+            elif array.null_count:
+                raise LoaderError(
+                    f"column {name!r} of shard {path} holds {array.null_count} nulls, but fixed-width columns "
+                    "become tensors, which cannot: fill them in the remote, or leave the column out of loader.columns"
+                )
+            else:
+                views[name] = _numpy_view(array)
         return views
 
 
-def _numpy_view(array: pa.Array) -> np.ndarray | None:
-    """A zero-copy ``(rows, *item_shape)`` numpy view of a fixed-width column, else None."""
-    if array.null_count:
-        return None
+def _is_fixed_width(arrow_type: pa.DataType) -> bool:
+    """Numbers, fixed-size lists of them, or the fixed-shape tensor type: the columns that become tensors."""
+    if isinstance(arrow_type, pa.FixedShapeTensorType):
+        return True
+    while pa.types.is_fixed_size_list(arrow_type):
+        arrow_type = arrow_type.value_type
+    return pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type)
+
+
+def _numpy_view(array: pa.Array) -> np.ndarray:
+    """A zero-copy ``(rows, *item_shape)`` numpy view of a fixed-width column without nulls."""
     if isinstance(array.type, pa.FixedShapeTensorType):
         return array.to_numpy_ndarray()
     shape = [len(array)]
     while pa.types.is_fixed_size_list(array.type):
         shape.append(array.type.list_size)
         array = array.flatten()
-    if not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type)) or array.null_count:
-        return None
     return array.to_numpy(zero_copy_only=True).reshape(shape)
 
 

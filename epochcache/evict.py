@@ -1,8 +1,9 @@
 """Eviction policies: tiny objects, chosen by name, that order shards for removal.
 
-A policy sees only shards under no live lease (the ledger filters them) and returns victims, in
-order, until their bytes reach what must be freed. The ledger applies the choice inside the same
-transaction that reserves room for the next shard, so the budget and the leases are checked together.
+A policy sees every shard not already retiring, leased or not, and returns victims in its order
+until their bytes reach what must be freed. The ledger applies the choice inside the transaction that
+reserves room for the next shard: unleased victims are evicted at once, leased ones retire (left out
+of new snapshots) and go when their leases end. Leases never bend a policy's order.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from epochcache.errors import ConfigError
-from epochcache.ledger import ShardRecord, take_until
+from epochcache.ledger import ShardRecord, by_age, take_until
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class Fifo:
     name: ClassVar[str] = "fifo"
 
     def __call__(self, candidates: Sequence[ShardRecord], need: int) -> list[ShardRecord]:
-        return take_until(sorted(candidates, key=lambda r: (r.created, r.id)), need)
+        return take_until(sorted(candidates, key=by_age), need)
 
 
 POLICIES = {policy.name: policy for policy in (Fifo(),)}

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from epochcache.errors import CacheError
+
 SHARD_SUFFIX = ".arrow"
 TMP_SUFFIX = ".arrow.tmp"
 
@@ -25,9 +27,13 @@ class CacheLayout:
 
     @classmethod
     def create(cls, root: str | Path) -> CacheLayout:
+        """The layout of ``root``, its folders made; :class:`CacheError` if they cannot be."""
         layout = cls(Path(root).resolve())
-        layout.shards.mkdir(parents=True, exist_ok=True)
-        layout.ledger.mkdir(parents=True, exist_ok=True)
+        try:
+            layout.shards.mkdir(parents=True, exist_ok=True)
+            layout.ledger.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CacheError(f"cannot create the cache dir {str(root)!r}: {exc.strerror}; check cache.dir") from exc
         return layout
 
     @property

@@ -36,6 +36,13 @@ _CURSOR = "cursor"
 _LISTING = "listing"
 _COUNTER = "count:"
 
+# SQLite deletes the WAL when the last connection closes and regrows it later, so charging its size of
+# the moment would let a restarted daemon hand those bytes to shards. The WAL (truncated to WAL_BYTES
+# at each checkpoint), the shared-memory index and daemon.lock are charged as this fixed reserve; the
+# database file at its real size.
+WAL_BYTES = 256 * 1024
+LEDGER_RESERVE = 2 * WAL_BYTES + 64 * 1024
+
 # Victim chooser: (unleased shards, bytes to free) -> shards to evict, in order.
 Chooser = Callable[[Sequence["ShardRecord"], int], Sequence["ShardRecord"]]
 
@@ -93,7 +100,8 @@ class Ledger:
             eviction_policy="none",  # diskcache must never cull our records on its own
             size_limit=2**62,
             disk_min_file_size=2**30,  # keep every value inside SQLite: no side files to account
-            sqlite_wal_autocheckpoint=64,  # keep the WAL (counted in the budget) small
+            sqlite_wal_autocheckpoint=WAL_BYTES // 4096,  # pages of SQLite's default 4 KiB
+            sqlite_journal_size_limit=WAL_BYTES,
         )
 
     def close(self) -> None:
@@ -103,7 +111,7 @@ class Ledger:
 
     def shards(self) -> list[ShardRecord]:
         """All published shards, oldest first."""
-        return sorted(self._records(), key=lambda r: (r.created, r.id))
+        return sorted(self._records(), key=by_age)
 
     def publish(self, record: ShardRecord, cursor: dict[str, int] | None = None) -> None:
         """Make ``record`` visible, move the cursor past its units and free the reservation, atomically."""
@@ -137,11 +145,17 @@ class Ledger:
         )
 
     def disk_bytes(self) -> int:
-        """Bytes of the ledger's own files (SQLite database, WAL and shared-memory index)."""
-        return sum(entry.stat().st_size for entry in os.scandir(self._dir) if entry.is_file())
+        """Bytes charged to the ledger: its database file plus :data:`LEDGER_RESERVE`."""
+        return os.stat(self._dir / diskcache.core.DBNAME).st_size + LEDGER_RESERVE
 
-    def make_room(self, nbytes: int, budget: int, choose: Chooser) -> list[ShardRecord] | None:
+    def make_room(
+        self, nbytes: int, budget: int, choose: Chooser, evict_to: int | None = None
+    ) -> list[ShardRecord] | None:
         """Reserve ``nbytes`` within ``budget``, evicting the shards that ``choose`` picks.
+
+        Eviction runs in batches: once room must be made, enough is picked to bring usage (with the
+        reservation) down to ``evict_to`` bytes (default ``budget``), so a cache that trainers keep
+        leased still rotates that fraction at each epoch boundary instead of one shard.
 
         ``choose`` orders all shards not yet retiring, leased or not, so a policy is never bent by
         leases (fifo never evicts a new shard because the old ones are in use, which would churn
@@ -157,13 +171,14 @@ class Ledger:
             need = used + nbytes - budget
             victims: list[ShardRecord] = []
             if need > 0:
+                goal = max(need, used + nbytes - (budget if evict_to is None else evict_to))
                 retiring_ids = set(self._cache.get(_RETIRING, ()))
                 retiring = [r for r in records if r.id in retiring_ids]
-                short = need - sum(r.nbytes for r in retiring)
+                short = goal - sum(r.nbytes for r in retiring)
                 if short > 0:
                     retiring += choose([r for r in records if r.id not in retiring_ids], short)
                 leased = {sid for lease in self._live_leases() for sid in lease["shards"]}
-                victims = take_until([r for r in retiring if r.id not in leased], need)
+                victims = take_until([r for r in retiring if r.id not in leased], goal)
                 if sum(v.nbytes for v in victims) < need:
                     self._cache.set(_RETIRING, sorted(r.id for r in retiring))
                     return None
@@ -193,7 +208,7 @@ class Ledger:
         with self._cache.transact(retry=True):
             retiring = set(self._cache.get(_RETIRING, ()))
             live = (r for r in self._records() if r.id not in retiring)
-            records = tuple(sorted(live, key=lambda r: (r.created, r.id)))
+            records = tuple(sorted(live, key=by_age))
             self._cache.set(
                 _LEASE + lease_id,
                 {"owner": owner, "shards": [r.id for r in records], "expires": expires},
@@ -265,6 +280,11 @@ class Ledger:
                 if data is not None and data["expires"] >= now:
                     out.append({"id": key[len(_LEASE) :], **data})
         return out
+
+
+def by_age(record: ShardRecord) -> tuple[float, str]:
+    """Sort key: oldest first, ties broken by id so every process agrees on the order."""
+    return record.created, record.id
 
 
 def take_until(ordered: Sequence[ShardRecord], need: int) -> list[ShardRecord]:

@@ -290,5 +290,9 @@ class EpochCachedLoader:
                 held = list(self._held)
             for lease_id in held:
                 if not self._ledger.renew(lease_id, self.config.lease_ttl_s):
-                    log.warning("lease %s expired before renewal: its shards may be evicted", lease_id)
+                    with self._held_lock:
+                        lost = lease_id in self._held  # else it was released meanwhile: no loss
+                    if lost:
+                        log.warning("lease %s expired before renewal (process stalled longer than "
+                                    "loader.lease_ttl_s?): its shards may be evicted", lease_id)
 

@@ -58,3 +58,11 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert all(int(row[1]) > 0 and int(row[2]) > 0 for row in rows)
     assert "sync daemon stopped cleanly" in result.stdout
     assert (tmp_path / "demo" / "remote" / "_COMPLETE.json").exists()
+
+
+def test_uncreatable_cache_dir_is_one_line(tmp_path: Path, capsys) -> None:
+    config = _config(tmp_path)
+    (tmp_path / "a-file").write_text("not a folder")
+    code = main(["sync", "--config", str(config), "--once", "--set", f"cache.dir={tmp_path / 'a-file' / 'cache'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "cannot create the cache dir" in err[0]

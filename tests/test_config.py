@@ -11,6 +11,7 @@ import yaml
 from epochcache.cli import main
 from epochcache.config import Config, load_config
 from epochcache.errors import ConfigError
+from epochcache.ledger import LEDGER_RESERVE
 
 
 def write_yaml(path: Path, data: dict[str, Any]) -> Path:
@@ -123,12 +124,19 @@ def test_budget_must_hold_two_shards(tmp_path: Path) -> None:
         load_config(path, env={})
     message = str(info.value)
     assert "cache.max_bytes" in message
-    assert "2000000" in message  # the minimum budget, 2 * shard_bytes
+    assert str(MINIMUM) in message  # the minimum budget it names
+    assert "1000000" in message and "cache: " in message and "'dir'" not in message
 
 
-def test_budget_of_exactly_two_shards_is_accepted(tmp_path: Path) -> None:
-    path = minimal(tmp_path, cache={"max_bytes": "2MB", "shard_bytes": "1MB"})
-    assert load_config(path, env={}).cache.max_bytes == 2_000_000
+MINIMUM = 2 * 1_000_000 + 2 * LEDGER_RESERVE  # two shards plus room for the ledger
+
+
+def test_budget_at_the_minimum_is_accepted_and_one_byte_less_refused(tmp_path: Path) -> None:
+    path = minimal(tmp_path, cache={"max_bytes": MINIMUM, "shard_bytes": "1MB"})
+    assert load_config(path, env={}).cache.max_bytes == MINIMUM
+    path = minimal(tmp_path, cache={"max_bytes": MINIMUM - 1, "shard_bytes": "1MB"})
+    with pytest.raises(ConfigError, match=str(MINIMUM)):
+        load_config(path, env={})
 
 
 def test_shard_bytes_below_64kib_refused(tmp_path: Path) -> None:
@@ -294,3 +302,9 @@ def test_cli_missing_config_prints_one_line_and_exits_2(
     assert len(captured.err.splitlines()) == 1
     assert captured.err.startswith("epochcache: error:")
     assert "Traceback" not in captured.err
+
+
+def test_rate_cap_must_be_positive(tmp_path: Path) -> None:
+    path = minimal(tmp_path, sampler={"max_bytes_per_s": 0})
+    with pytest.raises(ConfigError, match=r"sampler\.max_bytes_per_s"):
+        load_config(path, env={})

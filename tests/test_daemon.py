@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pytest
@@ -20,13 +21,16 @@ from epochcache.daemon import StopReason
 from epochcache.layout import TMP_SUFFIX, CacheLayout
 from epochcache.shards import verify_shard
 
-UNITS = 6 * 4
+FILES, GROUPS, ROWS_PER_GROUP = 6, 4, 256  # units of ~200 KB decoded, ~5 MB in all
+UNITS = FILES * GROUPS
+SMALL = {"cache.max_bytes": "2.5MB", "cache.shard_bytes": "450KB"}  # room for ~4 of 12 shards
+ROOMY = {"cache.max_bytes": "50MB", "cache.shard_bytes": "450KB"}
 
 
 @pytest.fixture
 def remote(tmp_path: Path) -> str:
     root = str(tmp_path / "remote")
-    write_parquet_dataset(fsspec.filesystem("file"), root, files=6, rows_per_file=128, rows_per_group=32)
+    write_parquet_dataset(fsspec.filesystem("file"), root, FILES, GROUPS * ROWS_PER_GROUP, ROWS_PER_GROUP)
     return root
 
 
@@ -46,7 +50,7 @@ def _assert_disk_matches_ledger(config: Config) -> None:
 
 
 def test_once_stops_when_the_budget_is_full(remote: str, make_config: Callable[..., Config]) -> None:
-    config = make_config(remote, **{"cache.max_bytes": "700KB", "cache.shard_bytes": "100KB"})
+    config = make_config(remote, **SMALL)
     report = SyncDaemon(config, progress=False).run(once=True)
     assert report.reason is StopReason.BUDGET_FULL
     assert 0 < report.shards_published and report.evicted == 0
@@ -57,21 +61,21 @@ def test_once_stops_when_the_budget_is_full(remote: str, make_config: Callable[.
 
 
 def test_once_with_room_caches_one_whole_pass_exactly_once(remote: str, make_config: Callable[..., Config]) -> None:
-    config = make_config(remote, **{"cache.max_bytes": "20MB", "cache.shard_bytes": "100KB"})
+    config = make_config(remote, **ROOMY)
     log = UnitLog()
     report = log.daemon(config).run(once=True)
     assert report.reason is StopReason.EXHAUSTED
     assert len(log.published) == len(set(log.published)) == UNITS == report.units_published
-    assert report.samples_published == UNITS * 32
+    assert report.samples_published == UNITS * ROWS_PER_GROUP
     again = SyncDaemon(config, progress=False).run(once=True)
     assert again.units_fetched == 0, "every unit is cached: the next pass fetches nothing"
 
 
 def test_restart_resumes_the_cursor(remote: str, make_config: Callable[..., Config]) -> None:
-    small = make_config(remote, **{"cache.max_bytes": "700KB", "cache.shard_bytes": "100KB"})
+    small = make_config(remote, **SMALL)
     first, second = UnitLog(), UnitLog()
     first.daemon(small).run(once=True)
-    roomy = make_config(remote, **{"cache.max_bytes": "20MB", "cache.shard_bytes": "100KB"})
+    roomy = make_config(remote, **ROOMY)
     second.daemon(roomy).run(once=True)
     assert first.published and set(second.fetched).isdisjoint(first.published)
     published = first.published + second.published
@@ -79,7 +83,7 @@ def test_restart_resumes_the_cursor(remote: str, make_config: Callable[..., Conf
 
 
 def test_continuous_sync_rotates_within_the_budget(remote: str, make_config: Callable[..., Config]) -> None:
-    config = make_config(remote, **{"cache.max_bytes": "700KB", "cache.shard_bytes": "100KB"})
+    config = make_config(remote, **SMALL)
     runner = DaemonThread(SyncDaemon(config, progress=False))
     ledger = _ledger(config)
     wait_for(lambda: ledger.counters().get("evicted", 0) >= 3 or runner.error)
@@ -93,7 +97,7 @@ def test_continuous_sync_rotates_within_the_budget(remote: str, make_config: Cal
 
 
 def test_leased_shards_are_never_evicted(remote: str, make_config: Callable[..., Config]) -> None:
-    config = make_config(remote, **{"cache.max_bytes": "700KB", "cache.shard_bytes": "100KB"})
+    config = make_config(remote, **SMALL)
     SyncDaemon(config, progress=False).run(once=True)
     ledger = _ledger(config)
     lease = ledger.snapshot("test-trainer", ttl_s=600)
@@ -110,7 +114,7 @@ def test_leased_shards_are_never_evicted(remote: str, make_config: Callable[...,
 
 
 def test_a_second_daemon_on_the_same_dir_is_refused(remote: str, make_config: Callable[..., Config]) -> None:
-    config = make_config(remote, **{"cache.max_bytes": "700KB", "cache.shard_bytes": "100KB", "sampler.max_bytes_per_s": "100KB"})
+    config = make_config(remote, **SMALL, **{"sampler.max_bytes_per_s": "500KB"})
     runner = DaemonThread(SyncDaemon(config, progress=False))
     ledger = _ledger(config)
     wait_for(lambda: ledger.usage().shards > 0 or runner.error)
@@ -124,8 +128,8 @@ def test_sigterm_stops_the_cli_daemon_cleanly(remote: str, tmp_path: Path) -> No
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump({
         "source": {"url": remote},
-        "cache": {"dir": str(tmp_path / "cache"), "max_bytes": "20MB", "shard_bytes": "100KB"},
-        "sampler": {"max_bytes_per_s": "300KB"},
+        "cache": {"dir": str(tmp_path / "cache"), "max_bytes": "50MB", "shard_bytes": "450KB"},
+        "sampler": {"max_bytes_per_s": "1MB"},
     }))
     proc = subprocess.Popen([sys.executable, "-m", "epochcache", "sync", "--config", str(config_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -139,5 +143,54 @@ def test_sigterm_stops_the_cli_daemon_cleanly(remote: str, tmp_path: Path) -> No
     assert proc.returncode == 0, output
     assert "received SIGTERM" in output and "Traceback" not in output
     assert not list(layout.shards.glob(f"*{TMP_SUFFIX}"))
-    config = Config.model_validate({"source": {"url": remote}, "cache": {"dir": str(tmp_path / "cache"), "max_bytes": "20MB", "shard_bytes": "100KB"}})
+    config = Config.model_validate({"source": {"url": remote}, "cache": {"dir": str(tmp_path / "cache")}})
     _assert_disk_matches_ledger(config)
+
+
+def _bytes_under(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_a_restarted_daemon_keeps_the_budget(remote: str, make_config: Callable[..., Config]) -> None:
+    config = make_config(remote, **SMALL)
+    budget = int(config.cache.max_bytes)
+    assert SyncDaemon(config, progress=False).run(once=True).reason is StopReason.BUDGET_FULL
+    assert _bytes_under(Path(config.cache.dir)) <= budget
+    # SQLite removed its WAL when the daemon closed the ledger: that must not look like free room
+    again = SyncDaemon(config, progress=False).run(once=True)
+    assert again.reason is StopReason.BUDGET_FULL and again.shards_published == 0
+    assert _bytes_under(Path(config.cache.dir)) <= budget
+
+
+def test_a_changed_source_starts_its_own_order(tmp_path: Path, make_config: Callable[..., Config]) -> None:
+    fs = fsspec.filesystem("file")
+    write_parquet_dataset(fs, str(tmp_path / "a"), files=2, rows_per_file=64, rows_per_group=32)
+    write_parquet_dataset(fs, str(tmp_path / "b"), files=3, rows_per_file=64, rows_per_group=32)
+    SyncDaemon(make_config(str(tmp_path / "a"), **ROOMY), progress=False).run(once=True)
+    log = UnitLog()
+    report = log.daemon(make_config(str(tmp_path / "b"), **ROOMY)).run(once=True)
+    assert report.reason is StopReason.EXHAUSTED
+    assert len(log.published) == 6 and all(key.startswith(str(tmp_path / "b")) for key in log.published)
+
+
+def test_verbose_logging_never_shows_credentials(
+    s3: Any, bucket: str, s3_endpoint: str, tmp_path: Path
+) -> None:
+    write_parquet_dataset(s3, f"{bucket}/data", files=1, rows_per_file=64, rows_per_group=32)
+    # moto accepts any credentials: these values must never appear in the output
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump({
+        "source": {"url": f"s3://{bucket}/data", "storage_options": {
+            "key": "AKIAEXAMPLEKEYID0001", "secret": "very-secret-value-0001", "token": "session-token-0001",
+            "client_kwargs": {"endpoint_url": s3_endpoint}}},
+        "cache": {"dir": str(tmp_path / "cache")},
+    }))
+    result = subprocess.run(
+        [sys.executable, "-m", "epochcache", "-v", "sync", "--config", str(config_path), "--once"],
+        capture_output=True, text=True, timeout=120,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "DEBUG epochcache" in output, "verbose mode shows our own debug lines"
+    for value in ("very-secret-value-0001", "session-token-0001", "AKIAEXAMPLEKEYID0001"):
+        assert value not in output

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from conftest import ITEM_SHAPE, make_table
 from epochcache.dataset import ShardSetDataset
+from epochcache.errors import LoaderError
 from epochcache.shards import write_shard
 from epochcache.sources.base import KEY_COLUMN
 
@@ -89,3 +90,25 @@ def test_workers_yield_the_same_samples(tmp_path: Path) -> None:
 
     assert ids(0) == list(range(100))
     assert ids(2) == list(range(100))
+
+
+def test_column_kind_follows_the_type_and_nulls_are_refused(tmp_path: Path) -> None:
+    clean = pa.table({"x": pa.array([1.0, 2.0], pa.float64()), "tag": pa.array(["a", "b"])})
+    holey = pa.table({"x": pa.array([3.0, None], pa.float64()), "tag": pa.array(["c", None])})
+    paths = []
+    for name, table in (("clean", clean), ("holey", holey)):
+        write_shard(table, tmp_path / f"{name}.tmp", tmp_path / f"{name}.arrow")
+        paths.append(tmp_path / f"{name}.arrow")
+    ds = ShardSetDataset(paths[:1], [2])
+    batch = ds.__getitems__([1, 0])
+    assert isinstance(batch["x"], torch.Tensor) and isinstance(batch["tag"], pa.Array)
+    with pytest.raises(LoaderError, match="'x'.*1 nulls"):
+        ShardSetDataset(paths, [2, 2]).__getitems__([0, 3])
+    only_tags = ShardSetDataset(paths, [2, 2], columns=["tag"]).__getitems__([0, 3])
+    assert set(only_tags["tag"].to_pylist()) == {"a", None}
+
+
+def test_unknown_column_is_a_loader_error(tmp_path: Path) -> None:
+    ds = ShardSetDataset(*_shards(tmp_path, [3]), columns=["id", "nope"])
+    with pytest.raises(LoaderError, match="nope"):
+        ds.__getitems__([0])

@@ -19,7 +19,7 @@ from epochcache.layout import CacheLayout
 from epochcache.shards import open_shard
 from epochcache.sources import KEY_COLUMN
 
-FILES, ROWS_PER_FILE, ROWS_PER_GROUP = 8, 512, 128
+FILES, ROWS_PER_FILE, ROWS_PER_GROUP = 8, 1024, 128
 UNITS = FILES * ROWS_PER_FILE // ROWS_PER_GROUP
 
 
@@ -62,7 +62,7 @@ def test_remote_to_three_epochs_within_budget_and_resumable(
 ) -> None:
     write_parquet_dataset(s3, f"{bucket}/data", FILES, ROWS_PER_FILE, ROWS_PER_GROUP)
     dataset_bytes = FILES * ROWS_PER_FILE * make_table(1).nbytes  # as cached: decoded Arrow
-    budget = 1_500_000
+    budget = 2_000_000
     assert budget < dataset_bytes / 2, "the budget must be much smaller than the dataset"
     config = make_config(f"s3://{bucket}/data", **{
         "source.storage_options": s3_options, "cache.max_bytes": budget, "cache.shard_bytes": "250KB",

@@ -10,7 +10,7 @@ import pytest
 from conftest import wait_for
 
 from epochcache.evict import Fifo
-from epochcache.ledger import Ledger, ShardRecord, Usage, take_until
+from epochcache.ledger import LEDGER_RESERVE, Ledger, ShardRecord, Usage, take_until
 
 S = 10_000_000  # nominal shard size; ledger records carry sizes only, no files are needed
 SLACK = S // 2  # room above whole shards, far more than the ledger's own SQLite files
@@ -406,3 +406,29 @@ def test_reopened_ledger_keeps_data(tmp_path: Path) -> None:
         assert again.counters() == {"published": 1}
     finally:
         again.close()
+
+
+def test_eviction_runs_in_batches_down_to_evict_to(ledger: Ledger) -> None:
+    publish_all(ledger, [record(i) for i in range(10)])
+    budget = 10 * S + SLACK
+    victims = ledger.make_room(S, budget, Fifo(), evict_to=7 * S + SLACK)
+    # one shard would make room; evict_to asks for the batch that brings usage to 7 shards' worth
+    assert ids(victims) == ["s0", "s1", "s2", "s3"]
+    assert ledger.usage().total <= 7 * S + SLACK
+
+
+def test_leased_cache_retires_a_batch_per_epoch(ledger: Ledger) -> None:
+    publish_all(ledger, [record(i) for i in range(10)])
+    budget = 10 * S + SLACK
+    epoch = ledger.snapshot("trainer", ttl_s=60)
+    assert ledger.make_room(S, budget, Fifo(), evict_to=7 * S + SLACK) is None
+    assert retiring_ids(ledger) == ["s0", "s1", "s2", "s3"], "the next epoch leaves the whole batch out"
+    ledger.release(epoch.id)
+    assert ids(ledger.make_room(S, budget, Fifo(), evict_to=7 * S + SLACK)) == ["s0", "s1", "s2", "s3"]
+
+
+def test_ledger_is_charged_a_fixed_reserve_beyond_its_database(ledger: Ledger, tmp_path: Path) -> None:
+    database = (tmp_path / "ledger" / "cache.db").stat().st_size
+    assert ledger.disk_bytes() == database + LEDGER_RESERVE
+    real = sum(p.stat().st_size for p in (tmp_path / "ledger").iterdir())
+    assert real <= ledger.disk_bytes(), "the WAL and shared-memory files fit in the reserve"

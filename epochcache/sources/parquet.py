@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -79,7 +80,7 @@ class ParquetSource:
         data = self._fetch(unit.obj.path, start, end)
         f = _buffered(unit.obj.path, unit.obj.size, {(start, end): data})
         table = pq.ParquetFile(f, metadata=metadata).read_row_group(unit.index, columns=self.columns)
-        rows = pa.array(range(unit.row_offset, unit.row_offset + unit.rows), pa.int64())
+        rows = pa.array(np.arange(unit.row_offset, unit.row_offset + unit.rows, dtype=np.int64))
         keys = pc.binary_join_element_wise(f"{unit.obj.path}:", pc.cast(rows, pa.string()), "")
         return table.append_column(KEY_COLUMN, keys)
 
