@@ -304,7 +304,7 @@ class _Run:
     def _make_room(self, nbytes: int, budget: int) -> list[ShardRecord] | None:
         """Reserve ``nbytes``; evict (unless ``once``) or wait while only leased shards could go."""
         choose = (lambda *_: []) if self.once else self.policy
-        waiting_since = None
+        announced = False
         while not self.stop.is_set():
             victims = self.ledger.make_room(nbytes, budget, choose, evict_to=self.evict_to)
             if victims is not None:
@@ -312,8 +312,8 @@ class _Run:
                 return victims
             if self.once:
                 return None
-            if waiting_since is None:
-                waiting_since = time.monotonic()
+            if not announced:
+                announced = True
                 log.info("backpressure: the budget is full and the shards that must go are leased by "
                          "running epochs; they are retiring, waiting for those epochs to end")
             self.stop.wait(_BACKPRESSURE_POLL_S)

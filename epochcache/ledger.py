@@ -12,8 +12,8 @@ Invariants it keeps:
 - a shard named by an unexpired lease is never deleted: the policy's picks are marked retiring,
   left out of new snapshots, and evicted once no lease holds them, so a trainer that always holds
   an epoch cannot stall the cache's rotation, and the daemon waits rather than break the budget;
-- bytes are accounted here (shard records + reservation + the ledger's own files), never by
-  scanning the shard folder.
+- bytes are accounted here (shard records + reservation + the ledger's database and a fixed
+  reserve for its WAL and the lock file), never by scanning the shard folder.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ _COUNTER = "count:"
 WAL_BYTES = 256 * 1024
 LEDGER_RESERVE = 2 * WAL_BYTES + 64 * 1024
 
-# Victim chooser: (unleased shards, bytes to free) -> shards to evict, in order.
+# Victim chooser (an eviction policy): (shards not yet retiring, leased or not, bytes to free) ->
+# shards to retire, in order.
 Chooser = Callable[[Sequence["ShardRecord"], int], Sequence["ShardRecord"]]
 
 
