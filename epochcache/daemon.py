@@ -20,7 +20,6 @@ import os
 import signal
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,18 +32,17 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from epochcache.config import Config
-from epochcache.errors import BudgetError, DaemonRunningError
+from epochcache.errors import DaemonRunningError
 from epochcache.evict import policy_named
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Ledger, ShardRecord
 from epochcache.repair import reconcile
 from epochcache.sampler import Cursor, Sampler
-from epochcache.shards import encoded_size, write_shard
+from epochcache.publisher import Publisher
 from epochcache.sources import RemoteObject, Source, Unit, open_source
 
 log = logging.getLogger(__name__)
 
-_BACKPRESSURE_POLL_S = 0.25
 _IDLE_POLL_S = 5.0
 
 
@@ -119,7 +117,7 @@ class SyncDaemon:
         self.config = config
         self.layout = CacheLayout.create(config.cache.dir)
         self.on_fetch, self.on_publish = on_fetch, on_publish
-        self._policy = policy_named(config.cache.eviction)
+        policy_named(config.cache.eviction)  # fail on a bad policy name before taking the lock
         self._progress = progress
 
     def run(self, once: bool = False, stop: threading.Event | None = None) -> SyncReport:
@@ -143,13 +141,13 @@ class _Run:
     """The state of one ``SyncDaemon.run``; see the module docstring for the invariants."""
 
     def __init__(self, daemon: SyncDaemon, ledger: Ledger, source: Source, stop: threading.Event, once: bool) -> None:
-        self.cfg, self.layout, self.policy = daemon.config, daemon.layout, daemon._policy
+        self.cfg, self.layout = daemon.config, daemon.layout
         self.on_fetch, self.on_publish = daemon.on_fetch, daemon.on_publish
         self.ledger, self.source, self.stop, self.once = ledger, source, stop, once
         self.report = SyncReport()
         self.cached = {unit for record in ledger.shards() for unit in record.units}
         self.throttle = _Throttle(self.cfg.sampler.max_bytes_per_s, stop)
-        self.evict_to = int(self.cfg.cache.max_bytes * self.cfg.cache.low_watermark)
+        self.publisher = Publisher(daemon.layout, ledger, self.cfg.cache, stop, evict=not once)
         # disable=None: a bar on a terminal, none when output goes to a file or pipe.
         show = daemon._progress
         self.bar = tqdm(desc="sync", unit="B", unit_scale=True, unit_divisor=1024,
@@ -267,63 +265,24 @@ class _Run:
 
     def _publish(self, building: _Building) -> bool:
         """Write ``building`` as one shard and publish it; False if stopped or the budget is full."""
-        table = pa.concat_tables(building.tables).combine_chunks()
-        nbytes = encoded_size(table)
-        budget = int(self.cfg.cache.max_bytes)
-        if nbytes > budget - self.ledger.disk_bytes():  # a bigger shard than configured: one huge row group
-            raise BudgetError(
-                f"a shard of {nbytes} bytes does not fit in cache.max_bytes={budget}: raise the budget "
-                f"or lower cache.shard_bytes (row groups of the remote are the smallest unit)"
-            )
-        victims = self._make_room(nbytes, budget)
-        if victims is None:
+        published = self.publisher.publish(pa.concat_tables(building.tables), building.units,
+                                           building.cursor.to_dict())
+        if published is None:
             return False
-        shard_id = f"{time.time_ns():x}-{uuid.uuid4().hex[:8]}"
-        try:
-            checksum = write_shard(table, self.layout.tmp_path(shard_id), self.layout.shard_path(shard_id))
-        except BaseException:
-            self.ledger.clear_reservation()
-            raise
-        record = ShardRecord(
-            id=shard_id, filename=self.layout.shard_path(shard_id).name, nbytes=nbytes,
-            rows=table.num_rows, created=time.time(), checksum=checksum, units=tuple(building.units),
-        )
-        self.ledger.publish(record, building.cursor.to_dict())
+        record = published.record
+        for victim in published.evicted:
+            self.cached.difference_update(victim.units)
         self.cached.update(record.units)
+        self.report.evicted += len(published.evicted)
         self.report.shards_published += 1
-        self.report.bytes_published += nbytes
+        self.report.bytes_published += record.nbytes
         self.report.samples_published += record.rows
         self.report.units_published += len(record.units)
         if self.on_publish is not None:
             self.on_publish(record)
         self.bar.set_postfix(shards=self.report.shards_published, samples=self.report.samples_published,
                              evicted=self.report.evicted, refresh=False)
-        log.debug("published shard %s: %d rows, %d bytes", shard_id, record.rows, nbytes)
         return True
-
-    def _make_room(self, nbytes: int, budget: int) -> list[ShardRecord] | None:
-        """Reserve ``nbytes``; evict (unless ``once``) or wait while only leased shards could go."""
-        choose = (lambda *_: []) if self.once else self.policy
-        announced = False
-        while not self.stop.is_set():
-            victims = self.ledger.make_room(nbytes, budget, choose, evict_to=self.evict_to)
-            if victims is not None:
-                self._delete(victims)
-                return victims
-            if self.once:
-                return None
-            if not announced:
-                announced = True
-                log.info("backpressure: the budget is full and the shards that must go are leased by "
-                         "running epochs; they are retiring, waiting for those epochs to end")
-            self.stop.wait(_BACKPRESSURE_POLL_S)
-        return None
-
-    def _delete(self, victims: list[ShardRecord]) -> None:
-        for victim in victims:
-            (self.layout.shards / victim.filename).unlink(missing_ok=True)
-            self.cached.difference_update(victim.units)
-        self.report.evicted += len(victims)
 
 
 @contextmanager
