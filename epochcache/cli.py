@@ -1,4 +1,4 @@
-"""The ``epochcache`` command: ``sync``, ``status`` and ``demo``.
+"""The ``epochcache`` command: ``sync``, ``status``, ``verify``, ``gc`` and ``demo``.
 
 Every :class:`EpochcacheError` ends the command with one line on stderr (``epochcache: error: ...``)
 and exit code 2, never a traceback.
@@ -47,6 +47,19 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.set_defaults(func=_status)
 
+    verify = commands.add_parser("verify", help="check shards, checksums and ledger agree; exit 1 if not")
+    _add_config_args(verify)
+    verify.add_argument("--fix", action="store_true",
+                        help="repair what disagrees (needs the daemon stopped): remove debris, adopt whole "
+                             "unknown shards, drop missing records, quarantine corrupt shards")
+    verify.add_argument("--json", action="store_true", help="print JSON instead of text")
+    verify.set_defaults(func=_verify)
+
+    gc = commands.add_parser("gc", help="delete quarantined shards and expired leases (and crash debris if "
+                                        "no daemon runs)")
+    _add_config_args(gc)
+    gc.set_defaults(func=_gc)
+
     demo = commands.add_parser("demo", help="generate a local dataset, sync it and train on it")
     demo.add_argument("--dir", type=Path, default=Path("epochcache-demo"), help="demo folder (default: %(default)s)")
     demo.add_argument("--epochs", type=int, default=12, help="epochs to train (default: %(default)s)")
@@ -82,6 +95,27 @@ def _status(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     status = cache_status(config)
     print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from epochcache.maintenance import verify_cache
+
+    repairs, live = verify_cache(load_config(args.config, args.overrides), fix=args.fix)
+    if args.json:
+        print(json.dumps({**asdict(repairs), "problems": repairs.problems, "daemon_running": live}))
+    else:
+        found = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in asdict(repairs).items() if n) or "nothing wrong"
+        print(f"verify{' --fix' if args.fix else ''}: {found}{' (fixed)' if args.fix and repairs.problems else ''}")
+    return 1 if repairs.problems and not args.fix else 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from epochcache.maintenance import collect_garbage
+
+    print("gc: " + ", ".join(f"{n} {what}" for what, n in collect_garbage(load_config(args.config, args.overrides)).items()))
     return 0
 
 

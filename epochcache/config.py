@@ -73,7 +73,12 @@ class CacheConfig(_Section):
     dir: str = Field(description="cache directory: shard files plus the ledger")
     max_bytes: ByteSize = Field(default=ByteSize(10 * 10**9), description="hard disk budget")
     shard_bytes: ByteSize = Field(default=ByteSize(64 * 10**6), description="target shard size")
-    eviction: Literal["fifo"] = "fifo"
+    eviction: Literal["fifo", "lru", "most-used", "random"] = Field(
+        default="fifo", description="which shards go first when room is needed"
+    )
+    max_uses: int | None = Field(
+        default=None, ge=1, description="shards used by this many epochs go first, whatever the policy; null = off"
+    )
     low_watermark: float = Field(
         default=0.9, gt=0.0, le=1.0, description="once room must be made, evict down to this fraction of max_bytes"
     )

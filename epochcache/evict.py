@@ -4,20 +4,46 @@ A policy sees every shard not already retiring, leased or not, and returns victi
 until their bytes reach what must be freed. The ledger applies the choice inside the transaction that
 reserves room for the next shard: unleased victims are evicted at once, leased ones retire (left out
 of new snapshots) and go when their leases end. Leases never bend a policy's order.
+
+Policies: ``fifo`` (oldest first, the default), ``lru`` (least recently used by an epoch first;
+never-used shards count as used at their creation), ``most-used`` (the shards trained on most often
+first, so the local set stays fresh), ``random`` (uniform). :class:`MaxUses` wraps any of them:
+shards used ``max_uses`` times or more go first, oldest first, then the wrapped policy's picks.
+Every policy labels its victims, so the ledger counts evictions per policy.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from epochcache.errors import ConfigError
 from epochcache.ledger import ShardRecord, by_age, take_until
 
 
+class Policy(Protocol):
+    """Orders ``candidates`` for eviction and returns the shortest prefix freeing ``need`` bytes."""
+
+    name: str
+
+    def __call__(self, candidates: Sequence[ShardRecord], need: int) -> list[ShardRecord]: ...
+
+    def label(self, victim: ShardRecord) -> str: ...
+
+
+class _Named:
+    """Labels every victim with the policy's name."""
+
+    name: ClassVar[str]
+
+    def label(self, victim: ShardRecord) -> str:
+        return self.name
+
+
 @dataclass(frozen=True)
-class Fifo:
+class Fifo(_Named):
     """Oldest published shard first: the local set rotates steadily through the remote."""
 
     name: ClassVar[str] = "fifo"
@@ -26,13 +52,73 @@ class Fifo:
         return take_until(sorted(candidates, key=by_age), need)
 
 
-POLICIES = {policy.name: policy for policy in (Fifo(),)}
+@dataclass(frozen=True)
+class Lru(_Named):
+    """Least recently used by an epoch first; a never-used shard counts as used when it was created."""
+
+    name: ClassVar[str] = "lru"
+
+    def __call__(self, candidates: Sequence[ShardRecord], need: int) -> list[ShardRecord]:
+        def key(r: ShardRecord) -> tuple[float, float, str]:
+            return (r.created if r.last_used is None else r.last_used), *by_age(r)
+
+        return take_until(sorted(candidates, key=key), need)
 
 
-def policy_named(name: str) -> Fifo:
-    """The policy registered under ``name``; raises :class:`ConfigError` naming the valid ones."""
+@dataclass(frozen=True)
+class MostUsed(_Named):
+    """The shards trained on most often first (ties: oldest first), so the local set stays fresh."""
+
+    name: ClassVar[str] = "most-used"
+
+    def __call__(self, candidates: Sequence[ShardRecord], need: int) -> list[ShardRecord]:
+        return take_until(sorted(candidates, key=lambda r: (-r.uses, *by_age(r))), need)
+
+
+@dataclass(frozen=True)
+class Random(_Named):
+    """Uniformly random victims; ``seed`` (None: fresh entropy) makes the choice reproducible."""
+
+    name: ClassVar[str] = "random"
+    seed: int | None = None
+
+    def __call__(self, candidates: Sequence[ShardRecord], need: int) -> list[ShardRecord]:
+        ordered = sorted(candidates, key=by_age)  # a fixed start, so a seed means one order
+        random.Random(self.seed).shuffle(ordered)
+        return take_until(ordered, need)
+
+
+@dataclass(frozen=True)
+class MaxUses:
+    """Shards used ``max_uses`` times or more go first (oldest first), then ``policy``'s order."""
+
+    policy: Policy
+    max_uses: int
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    def __call__(self, candidates: Sequence[ShardRecord], need: int) -> list[ShardRecord]:
+        worn = sorted((r for r in candidates if r.uses >= self.max_uses), key=by_age)
+        taken = take_until(worn, need)
+        rest = [r for r in candidates if r.uses < self.max_uses]
+        return taken + self.policy(rest, need - sum(r.nbytes for r in taken))
+
+    def label(self, victim: ShardRecord) -> str:
+        return "max_uses" if victim.uses >= self.max_uses else self.policy.label(victim)
+
+
+POLICIES: dict[str, Policy] = {policy.name: policy for policy in (Fifo(), Lru(), MostUsed(), Random())}
+
+
+def policy_named(name: str, max_uses: int | None = None) -> Policy:
+    """The policy registered under ``name``, wrapped in :class:`MaxUses` if ``max_uses`` is set.
+
+    Raises :class:`ConfigError` naming the valid policies.
+    """
     try:
-        return POLICIES[name]
+        policy = POLICIES[name]
     except KeyError:
         raise ConfigError(f"cache.eviction = {name!r}: unknown policy; choose one of {sorted(POLICIES)}") from None
-
+    return policy if max_uses is None else MaxUses(policy, max_uses)

@@ -2,14 +2,19 @@
 
 ::
 
-    <dir>/shards/<id>.arrow        published shards (Arrow IPC files)
-    <dir>/shards/<id>.arrow.tmp    a shard being written; never read, removed at daemon start
-    <dir>/ledger/                  the diskcache/SQLite ledger: the truth about what is published
-    <dir>/daemon.lock              held (flock) by the one sync daemon of this cache dir
+    <dir>/shards/<id>.<checksum>.arrow   published shards (Arrow IPC files)
+    <dir>/shards/<id>.arrow.tmp          a shard being written; never read, removed at daemon start
+    <dir>/quarantine/<file name>         shards that failed their checksum or Arrow structure
+    <dir>/ledger/                        the diskcache/SQLite ledger: the truth about what is published
+    <dir>/daemon.lock                    held (flock) by the one sync daemon of this cache dir
+
+The checksum in a shard's name lets a file the ledger does not know be checked before it is
+adopted. No path here is derived from a remote key: shard ids are made locally.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +22,13 @@ from epochcache.errors import CacheError
 
 SHARD_SUFFIX = ".arrow"
 TMP_SUFFIX = ".arrow.tmp"
+_SHARD_NAME = re.compile(r"([0-9a-z-]+)\.([0-9a-f]{32})\.arrow")
+
+
+def parse_shard_name(name: str) -> tuple[str, str] | None:
+    """``(shard id, checksum)`` from a published shard's file name; None if it is not one."""
+    match = _SHARD_NAME.fullmatch(name)
+    return (match[1], match[2]) if match else None
 
 
 @dataclass(frozen=True)
@@ -30,8 +42,8 @@ class CacheLayout:
         """The layout of ``root``, its folders made; :class:`CacheError` if they cannot be."""
         layout = cls(Path(root).resolve())
         try:
-            layout.shards.mkdir(parents=True, exist_ok=True)
-            layout.ledger.mkdir(parents=True, exist_ok=True)
+            for folder in (layout.shards, layout.quarantine, layout.ledger):
+                folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CacheError(f"cannot create the cache dir {str(root)!r}: {exc.strerror}; check cache.dir") from exc
         return layout
@@ -41,6 +53,10 @@ class CacheLayout:
         return self.root / "shards"
 
     @property
+    def quarantine(self) -> Path:
+        return self.root / "quarantine"
+
+    @property
     def ledger(self) -> Path:
         return self.root / "ledger"
 
@@ -48,8 +64,13 @@ class CacheLayout:
     def lock(self) -> Path:
         return self.root / "daemon.lock"
 
-    def shard_path(self, shard_id: str) -> Path:
-        return self.shards / f"{shard_id}{SHARD_SUFFIX}"
+    def shard_path(self, shard_id: str, checksum: str) -> Path:
+        return self.shards / f"{shard_id}.{checksum}{SHARD_SUFFIX}"
 
     def tmp_path(self, shard_id: str) -> Path:
         return self.shards / f"{shard_id}{TMP_SUFFIX}"
+
+    def remove(self, filename: str) -> None:
+        """Delete a shard file that the ledger no longer records, from shards/ or quarantine/."""
+        (self.shards / filename).unlink(missing_ok=True)
+        (self.quarantine / filename).unlink(missing_ok=True)

@@ -1,7 +1,8 @@
 """The ledger: the single source of truth about a cache directory, on diskcache (SQLite).
 
-It records published shards (:class:`ShardRecord`), the bytes reserved for the shard being written,
-the sampler's cursor and listing, epoch leases and counters. The daemon and any number of training
+It records published shards (:class:`ShardRecord`, with how often and when epochs used them), the
+bytes reserved for the shard being written, quarantined shards, the sampler's cursor and listing,
+epoch leases, the daemon's state and counters. The daemon and any number of training
 processes open the same ledger; every read-modify-write runs in one diskcache transaction (SQLite
 ``BEGIN IMMEDIATE``), so processes never see each other's half-done changes.
 
@@ -12,8 +13,9 @@ Invariants it keeps:
 - a shard named by an unexpired lease is never deleted: the policy's picks are marked retiring,
   left out of new snapshots, and evicted once no lease holds them, so a trainer that always holds
   an epoch cannot stall the cache's rotation, and the daemon waits rather than break the budget;
-- bytes are accounted here (shard records + reservation + the ledger's database and a fixed
-  reserve for its WAL and the lock file), never by scanning the shard folder.
+- bytes are accounted here (shard records + reservation + quarantined files + the ledger's database
+  and a fixed reserve for its WAL and the lock file), never by scanning the shard folder;
+  quarantined files are the first bytes freed when room is needed.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ _RETIRING = "retiring"
 _CURSOR = "cursor"
 _LISTING = "listing"
 _COUNTER = "count:"
+_QUARANTINE = "quarantine:"
+_DAEMON = "daemon"
 
 # SQLite deletes the WAL when the last connection closes and regrows it later, so charging its size of
 # the moment would let a restarted daemon hand those bytes to shards. The WAL (truncated to WAL_BYTES
@@ -44,13 +48,18 @@ WAL_BYTES = 256 * 1024
 LEDGER_RESERVE = 2 * WAL_BYTES + 64 * 1024
 
 # Victim chooser (an eviction policy): (shards not yet retiring, leased or not, bytes to free) ->
-# shards to retire, in order.
+# shards to retire, in order. If it has a ``label(record) -> str`` method, evictions are counted per
+# label (``evicted.fifo``, ``evicted.max_uses``...), else under its ``name``.
 Chooser = Callable[[Sequence["ShardRecord"], int], Sequence["ShardRecord"]]
 
 
 @dataclass(frozen=True)
 class ShardRecord:
-    """A published shard: its file name in the shard folder, size, rows and the units it holds."""
+    """A published shard: its file name in the shard folder, size, rows and the units it holds.
+
+    ``uses`` counts the epochs whose snapshot held it and ``last_used`` is when the latest began
+    (None: never used); the ledger updates both in the transaction that takes a snapshot.
+    """
 
     id: str
     filename: str
@@ -59,6 +68,8 @@ class ShardRecord:
     created: float
     checksum: str
     units: tuple[str, ...]
+    uses: int = 0
+    last_used: float | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShardRecord:
@@ -76,6 +87,15 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class Quarantined:
+    """A shard moved to the quarantine folder: its record, why, and when (its bytes stay charged)."""
+
+    record: ShardRecord
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True)
 class Usage:
     """Byte accounting of a cache directory at one moment."""
 
@@ -85,10 +105,11 @@ class Usage:
     shards: int
     rows: int
     leases: int
+    quarantined_bytes: int = 0
 
     @property
     def total(self) -> int:
-        return self.shard_bytes + self.reserved_bytes + self.ledger_bytes
+        return self.shard_bytes + self.reserved_bytes + self.ledger_bytes + self.quarantined_bytes
 
 
 class Ledger:
@@ -123,11 +144,43 @@ class Ledger:
             self._cache.set(_RESERVED, 0)
             self._cache.incr(_COUNTER + "published", 1, retry=True)
 
+    def adopt(self, records: Sequence[ShardRecord]) -> None:
+        """Record shards found whole on disk but unknown to the ledger (a crash before publish)."""
+        with self._cache.transact(retry=True):
+            for record in records:
+                self._cache.set(_SHARD + record.id, asdict(record))
+            self._cache.incr(_COUNTER + "adopted", len(records), retry=True)
+
     def drop(self, shard_ids: Sequence[str]) -> None:
         """Forget shards (used when their files are gone); their files are the caller's business."""
         with self._cache.transact(retry=True):
             for shard_id in shard_ids:
                 self._cache.delete(_SHARD + shard_id)
+
+    # -- quarantine -----------------------------------------------------------------------------
+
+    def quarantine(self, shard_id: str, reason: str) -> ShardRecord | None:
+        """Move a shard's record to the quarantine, its bytes still charged; None if not published."""
+        with self._cache.transact(retry=True):
+            data = self._cache.get(_SHARD + shard_id)
+            if data is None:
+                return None
+            self._cache.delete(_SHARD + shard_id)
+            self._cache.set(_QUARANTINE + shard_id, {"record": data, "reason": reason, "at": time.time()})
+            self._cache.incr(_COUNTER + "quarantined", 1, retry=True)
+        return ShardRecord.from_dict(data)
+
+    def quarantined(self) -> list[Quarantined]:
+        """Quarantined shards, oldest quarantine first."""
+        with self._cache.transact(retry=True):
+            entries = self._quarantined()
+        return sorted(entries, key=lambda q: q.at)
+
+    def forget_quarantined(self, shard_ids: Sequence[str]) -> None:
+        """Stop charging quarantined shards (call once their files are gone)."""
+        with self._cache.transact(retry=True):
+            for shard_id in shard_ids:
+                self._cache.delete(_QUARANTINE + shard_id)
 
     # -- budget ---------------------------------------------------------------------------------
 
@@ -136,6 +189,7 @@ class Ledger:
             records = list(self._records())
             reserved = int(self._cache.get(_RESERVED, 0))
             leases = len(self._live_leases())
+            quarantined = sum(q.record.nbytes for q in self._quarantined())
         return Usage(
             shard_bytes=sum(r.nbytes for r in records),
             reserved_bytes=reserved,
@@ -143,6 +197,7 @@ class Ledger:
             shards=len(records),
             rows=sum(r.rows for r in records),
             leases=leases,
+            quarantined_bytes=quarantined,
         )
 
     def disk_bytes(self) -> int:
@@ -154,6 +209,8 @@ class Ledger:
     ) -> list[ShardRecord] | None:
         """Reserve ``nbytes`` within ``budget``, evicting the shards that ``choose`` picks.
 
+        Quarantined files count as used bytes but are never picked here: the caller purges them
+        (:func:`epochcache.quarantine.purge_quarantine`) before asking for room it lacks.
         Eviction runs in batches: once room must be made, enough is picked to bring usage (with the
         reservation) down to ``evict_to`` bytes (default ``budget``), so a cache that trainers keep
         leased still rotates that fraction at each epoch boundary instead of one shard.
@@ -168,7 +225,9 @@ class Ledger:
         """
         with self._cache.transact(retry=True):
             records = list(self._records())
-            used = sum(r.nbytes for r in records) + int(self._cache.get(_RESERVED, 0)) + self.disk_bytes()
+            quarantined = [q.record for q in self._quarantined()]
+            used = (sum(r.nbytes for r in records + quarantined) + int(self._cache.get(_RESERVED, 0))
+                    + self.disk_bytes())
             need = used + nbytes - budget
             victims: list[ShardRecord] = []
             if need > 0:
@@ -190,6 +249,10 @@ class Ledger:
             self._cache.set(_RESERVED, int(self._cache.get(_RESERVED, 0)) + nbytes)
             if victims:
                 self._cache.incr(_COUNTER + "evicted", len(victims), retry=True)
+                label = getattr(choose, "label", None)
+                for victim in victims:
+                    name = label(victim) if label is not None else getattr(choose, "name", "unnamed")
+                    self._cache.incr(f"{_COUNTER}evicted.{name}", 1, retry=True)
         return victims
 
     def clear_reservation(self) -> None:
@@ -203,19 +266,26 @@ class Ledger:
     # -- leases ---------------------------------------------------------------------------------
 
     def snapshot(self, owner: str, ttl_s: float) -> Lease:
-        """Take the current shard set (less retiring shards) and a lease on exactly it, atomically."""
+        """Take the current shard set (less retiring shards) and a lease on exactly it, atomically.
+
+        The same transaction counts one use of each shard in the set and stamps its ``last_used``
+        (what ``lru``, ``most-used`` and ``max_uses`` decide by); the lease's records carry the
+        counts from before this use.
+        """
         lease_id = uuid.uuid4().hex
-        expires = time.time() + ttl_s
+        now = time.time()
         with self._cache.transact(retry=True):
             retiring = set(self._cache.get(_RETIRING, ()))
             live = (r for r in self._records() if r.id not in retiring)
             records = tuple(sorted(live, key=by_age))
+            for r in records:
+                self._cache.set(_SHARD + r.id, {**asdict(r), "uses": r.uses + 1, "last_used": now})
             self._cache.set(
                 _LEASE + lease_id,
-                {"owner": owner, "shards": [r.id for r in records], "expires": expires},
+                {"owner": owner, "shards": [r.id for r in records], "expires": now + ttl_s, "taken": now},
                 expire=ttl_s,
             )
-        return Lease(id=lease_id, owner=owner, shards=records, expires=expires)
+        return Lease(id=lease_id, owner=owner, shards=records, expires=now + ttl_s)
 
     def renew(self, lease_id: str, ttl_s: float) -> bool:
         """Push a lease's expiry ``ttl_s`` into the future; False if it had already expired."""
@@ -230,8 +300,12 @@ class Ledger:
     def release(self, lease_id: str) -> None:
         self._cache.delete(_LEASE + lease_id, retry=True)
 
+    def purge_expired(self) -> int:
+        """Delete expired leases from the database (they already protect nothing); returns how many."""
+        return int(self._cache.expire(retry=True))
+
     def leases(self) -> list[dict[str, Any]]:
-        """Unexpired leases as ``{"id", "owner", "shards", "expires"}`` dicts."""
+        """Unexpired leases as ``{"id", "owner", "shards", "expires", "taken"}`` dicts."""
         with self._cache.transact(retry=True):
             return self._live_leases()
 
@@ -248,6 +322,15 @@ class Ledger:
 
     def set_listing(self, listing: dict[str, Any]) -> None:
         self._cache.set(_LISTING, listing, retry=True)
+
+    # -- daemon state ---------------------------------------------------------------------------
+
+    def daemon_state(self) -> dict[str, Any] | None:
+        """What the sync daemon last said it is doing (``{"pid", "state", "since", ...}``), for status."""
+        return self._cache.get(_DAEMON, retry=True)
+
+    def set_daemon_state(self, state: dict[str, Any]) -> None:
+        self._cache.set(_DAEMON, dict(state), retry=True)
 
     # -- counters -------------------------------------------------------------------------------
 
@@ -270,6 +353,15 @@ class Ledger:
                 data = self._cache.get(key)
                 if data is not None:
                     out.append(ShardRecord.from_dict(data))
+        return out
+
+    def _quarantined(self) -> list[Quarantined]:
+        out = []
+        for key in self._cache.iterkeys():
+            if isinstance(key, str) and key.startswith(_QUARANTINE):
+                data = self._cache.get(key)
+                if data is not None:
+                    out.append(Quarantined(ShardRecord.from_dict(data["record"]), data["reason"], data["at"]))
         return out
 
     def _live_leases(self) -> list[dict[str, Any]]:

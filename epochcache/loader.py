@@ -267,7 +267,8 @@ class EpochCachedLoader:
         try:
             verify_shard(self._layout.shards / record.filename, record.checksum)
         except (ShardCorruptError, FileNotFoundError) as exc:
-            log.warning("skipping shard %s this epoch: %s", record.id, exc)
+            from epochcache.quarantine import quarantine_shard  # issue 4: one function quarantines for all
+            quarantine_shard(self._layout, self._ledger, record, f"skipped by an epoch: {exc}")
             return False
         self._verified.add(record.id)
         return True

@@ -1,23 +1,30 @@
 """The publisher: turns the rows of one shard into a published shard file under the byte budget.
 
 Flow: ``publish(table, units, cursor)`` -> reserve the shard's exact encoded size in the ledger,
-evicting by the configured policy (or waiting while only leased shards could make room) -> write the
-file (tmp, fsync, rename) -> publish its record with the sampler's cursor in one ledger transaction
--> delete the evicted shards' files.
+purging quarantined files and evicting by the configured policy (or waiting while only leased
+shards could make room) -> write the file (tmp, fsync, rename; its record's fields in its schema
+metadata) -> publish its record with the sampler's cursor in one ledger transaction -> delete the
+evicted shards' files. What it is doing (running, backpressure, disk full) is written to the ledger
+for ``epochcache status``.
 
 Invariants: the bytes under the cache dir never exceed ``cache.max_bytes`` (the shard being written
 is reserved before its first byte); a shard under a lease is never deleted; a shard that is not fully
-written is never published and its reservation is released.
+written is never published and its reservation is released; a full disk (ENOSPC) is waited out with
+growing pauses, never turned into a partial shard.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import threading
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -27,11 +34,15 @@ from epochcache.errors import BudgetError
 from epochcache.evict import policy_named
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Ledger, ShardRecord
-from epochcache.shards import encoded_size, write_shard
+from epochcache.quarantine import purge_quarantine
+from epochcache.shards import ShardMeta, encoded_size, with_record_meta, write_shard
 
 log = logging.getLogger(__name__)
 
 _BACKPRESSURE_POLL_S = 0.25
+# A full disk is usually freed by someone else, on a human time scale: retry soon, then back off.
+DISK_FULL_FIRST_WAIT_S = 0.5
+DISK_FULL_MAX_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -52,54 +63,85 @@ class Publisher:
         self.layout, self.ledger, self.stop, self.evict = layout, ledger, stop, evict
         self.budget = int(cache.max_bytes)
         self.evict_to = int(cache.max_bytes * cache.low_watermark)
-        self.policy = policy_named(cache.eviction)
+        self.policy = policy_named(cache.eviction, cache.max_uses)
+        self._state = ""
+        self._say("running")
 
     def publish(self, table: pa.Table, units: Sequence[str], cursor: dict[str, Any] | None) -> Published | None:
         """Write ``table`` (the rows of ``units``) as one shard and publish it with ``cursor``.
 
         Returns None, with nothing written or reserved, when ``stop`` is set while waiting for room
-        or when ``evict`` is off and the budget is full. Raises :class:`BudgetError` if the shard
-        alone cannot fit in the budget.
+        or for disk space, or when ``evict`` is off and the budget is full. Raises
+        :class:`BudgetError` if the shard alone cannot fit in the budget.
         """
-        table = table.combine_chunks()
+        meta = ShardMeta(id=f"{time.time_ns():x}-{uuid.uuid4().hex[:8]}", created=time.time(), units=tuple(units))
+        table = with_record_meta(table.combine_chunks(), meta)
         nbytes = encoded_size(table)
         if nbytes > self.budget - self.ledger.disk_bytes():  # a bigger shard than configured: one huge unit
             raise BudgetError(
                 f"a shard of {nbytes} bytes does not fit in cache.max_bytes={self.budget}: raise the budget "
                 f"or lower cache.shard_bytes (units of the remote are the smallest piece a shard can hold)"
             )
-        evicted = self._make_room(nbytes)
-        if evicted is None:
-            return None
-        shard_id = f"{time.time_ns():x}-{uuid.uuid4().hex[:8]}"
+        wait = DISK_FULL_FIRST_WAIT_S
+        while True:
+            evicted = self._make_room(nbytes)
+            if evicted is None:
+                return None
+            written = self._write(table, meta.id)
+            if written is not None:
+                break
+            if self.stop.wait(wait):
+                return None
+            wait = min(2 * wait, DISK_FULL_MAX_WAIT_S)
+        checksum, path = written
+        record = ShardRecord(
+            id=meta.id, filename=path.name, nbytes=nbytes, rows=table.num_rows,
+            created=meta.created, checksum=checksum, units=meta.units,
+        )
+        self.ledger.publish(record, cursor)
+        self._say("running")
+        log.debug("published shard %s: %d rows, %d bytes", meta.id, record.rows, nbytes)
+        return Published(record, tuple(evicted))
+
+    def _write(self, table: pa.Table, shard_id: str) -> tuple[str, Path] | None:
+        """Write the reserved shard; None (reservation released, temp removed) if the disk is full."""
         try:
-            checksum = write_shard(table, self.layout.tmp_path(shard_id), self.layout.shard_path(shard_id))
+            checksum = write_shard(table, self.layout.tmp_path(shard_id), partial(self.layout.shard_path, shard_id))
+        except OSError as exc:
+            self.ledger.clear_reservation()
+            if exc.errno != errno.ENOSPC:
+                raise
+            self._say("disk full, backing off", error=str(exc))
+            log.warning("disk full while writing a shard (%s): nothing published; backing off", exc)
+            return None
         except BaseException:
             self.ledger.clear_reservation()
             raise
-        record = ShardRecord(
-            id=shard_id, filename=self.layout.shard_path(shard_id).name, nbytes=nbytes,
-            rows=table.num_rows, created=time.time(), checksum=checksum, units=tuple(units),
-        )
-        self.ledger.publish(record, cursor)
-        log.debug("published shard %s: %d rows, %d bytes", shard_id, record.rows, nbytes)
-        return Published(record, tuple(evicted))
+        return checksum, self.layout.shard_path(shard_id, checksum)
 
     def _make_room(self, nbytes: int) -> list[ShardRecord] | None:
         """Reserve ``nbytes``; evict, or wait while only leased shards could go. None: stopped/full."""
         choose = self.policy if self.evict else (lambda *_: [])
-        announced = False
+        usage = self.ledger.usage()
+        if usage.quarantined_bytes and usage.total + nbytes > self.budget:
+            purge_quarantine(self.layout, self.ledger)
         while not self.stop.is_set():
             victims = self.ledger.make_room(nbytes, self.budget, choose, evict_to=self.evict_to)
             if victims is not None:
                 for victim in victims:
-                    (self.layout.shards / victim.filename).unlink(missing_ok=True)
+                    self.layout.remove(victim.filename)
                 return victims
             if not self.evict:
                 return None
-            if not announced:
-                announced = True
+            if self._state != "backpressure":
                 log.info("backpressure: the budget is full and the shards that must go are leased by "
                          "running epochs; they are retiring, waiting for those epochs to end")
+                self._say("backpressure")
             self.stop.wait(_BACKPRESSURE_POLL_S)
         return None
+
+    def _say(self, state: str, **detail: Any) -> None:
+        """Record the daemon's state for ``epochcache status`` when it changes."""
+        if state != self._state:
+            self._state = state
+            self.ledger.set_daemon_state({"pid": os.getpid(), "state": state, "since": time.time(), **detail})

@@ -4,15 +4,23 @@ Uncompressed and a single record batch so that a reader can memory-map a shard a
 fixed-width column as one numpy array without copying (see :mod:`epochcache.dataset`).
 
 Writing is atomic: the bytes go to ``<id>.arrow.tmp`` in the shard folder, are fsynced, renamed to
-``<id>.arrow`` with ``os.replace`` and the folder is fsynced, so a crash leaves either no shard or a
-whole one. The checksum (BLAKE2b-128 of the file) is computed before the rename and recorded in the
-ledger; readers compare against it the first time they open a shard.
+their final name with ``os.replace`` and the folder is fsynced, so a crash leaves either no shard or a
+whole one. The checksum (BLAKE2b-128 of the file) is computed before the rename, becomes part of the
+final name (see :mod:`epochcache.layout`) and is recorded in the ledger; readers compare against it
+the first time they open a shard.
+
+Each file also carries, in its Arrow schema metadata, what its ledger record needs (id, creation
+time, unit keys: :func:`with_record_meta`), so a whole shard whose record was lost in a crash can be
+re-recorded (adopted) after its checksum is checked against its name.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,6 +29,37 @@ from epochcache.errors import ShardCorruptError
 
 _CHECKSUM = "blake2b"
 _DIGEST_BYTES = 16
+_META = b"epochcache.shard"
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """The record fields a shard file carries about itself (see :func:`with_record_meta`)."""
+
+    id: str
+    created: float
+    units: tuple[str, ...]
+
+
+def with_record_meta(table: pa.Table, meta: ShardMeta) -> pa.Table:
+    """``table`` with ``meta`` added to its schema metadata (a zero-copy schema swap)."""
+    value = json.dumps({"id": meta.id, "created": meta.created, "units": list(meta.units)}).encode()
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), _META: value})
+
+
+def read_record_meta(path: Path) -> tuple[ShardMeta, int]:
+    """The :class:`ShardMeta` and row count of a shard file; :class:`ShardCorruptError` if it has none."""
+    table = open_shard(path)
+    raw = (table.schema.metadata or {}).get(_META)
+    try:
+        data = json.loads(raw)
+        meta = ShardMeta(id=str(data["id"]), created=float(data["created"]), units=tuple(map(str, data["units"])))
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ShardCorruptError(
+            f"shard {path} carries no valid epochcache record metadata ({exc!r}): it was not written by "
+            "this version of epochcache; delete it or run `epochcache verify --fix`"
+        ) from exc
+    return meta, table.num_rows
 
 
 def encoded_size(table: pa.Table) -> int:
@@ -30,20 +69,23 @@ def encoded_size(table: pa.Table) -> int:
     return int(sink.size())
 
 
-def write_shard(table: pa.Table, tmp_path: Path, final_path: Path) -> str:
-    """Write ``table`` (one chunk per column) atomically to ``final_path``; return its checksum.
+def write_shard(table: pa.Table, tmp_path: Path, final_path: Path | Callable[[str], Path]) -> str:
+    """Write ``table`` (one chunk per column) atomically; return its checksum.
 
-    On any failure the temp file is removed and nothing appears at ``final_path``.
+    ``final_path`` is the file's final path, or a function of the checksum that gives it (the layout
+    puts the checksum in the name). On any failure (ENOSPC included) the temp file is removed,
+    nothing appears at the final path and the error propagates.
     """
     try:
         with pa.OSFile(str(tmp_path), "wb") as sink:
             _write_ipc(sink, table)
         checksum = file_checksum(tmp_path, fsync=True)
-        os.replace(tmp_path, final_path)
+        final = final_path if isinstance(final_path, Path) else final_path(checksum)
+        os.replace(tmp_path, final)
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
-    _fsync_dir(final_path.parent)
+    _fsync_dir(final.parent)
     return checksum
 
 

@@ -10,7 +10,16 @@ from conftest import make_table
 
 import epochcache.shards as shards
 from epochcache.errors import ShardCorruptError
-from epochcache.shards import encoded_size, file_checksum, open_shard, verify_shard, write_shard
+from epochcache.shards import (
+    ShardMeta,
+    encoded_size,
+    file_checksum,
+    open_shard,
+    read_record_meta,
+    verify_shard,
+    with_record_meta,
+    write_shard,
+)
 
 
 def write(table: pa.Table, folder: Path, name: str = "s1") -> tuple[Path, str]:
@@ -158,3 +167,23 @@ def test_failed_write_keeps_existing_final_file(tmp_path: Path, monkeypatch: pyt
     verify_shard(path, checksum)
     assert open_shard(path).equals(old_table)
     assert not (tmp_path / "s1.arrow.tmp").exists()
+
+
+def test_final_path_can_depend_on_the_checksum(tmp_path: Path) -> None:
+    checksum = write_shard(make_table(5), tmp_path / "x.arrow.tmp", lambda c: tmp_path / f"x.{c}.arrow")
+    assert [p.name for p in tmp_path.iterdir()] == [f"x.{checksum}.arrow"]
+    verify_shard(tmp_path / f"x.{checksum}.arrow", checksum)
+
+
+def test_record_meta_round_trip(tmp_path: Path) -> None:
+    meta = ShardMeta(id="abc-1", created=12.5, units=("a.parquet#0", "b.parquet#3"))
+    table = with_record_meta(make_table(7), meta)
+    path, _ = write(table, tmp_path)
+    assert read_record_meta(path) == (meta, 7)
+    assert encoded_size(table) == path.stat().st_size  # the metadata is part of the exact size
+
+
+def test_record_meta_missing_is_corrupt(tmp_path: Path) -> None:
+    path, _ = write(make_table(3), tmp_path)
+    with pytest.raises(ShardCorruptError, match="no valid epochcache record metadata"):
+        read_record_meta(path)

@@ -1,0 +1,55 @@
+"""The daemon lock of a cache dir: an flock on ``daemon.lock`` holding the owner's pid.
+
+Whoever holds it (the sync daemon, or ``epochcache verify --fix`` / ``gc``) may change files under
+the cache dir besides publishing and quarantining; the kernel drops it when the holder dies.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from epochcache.errors import DaemonRunningError
+
+
+@contextmanager
+def exclusive(lock_path: os.PathLike[str], purpose: str = "epochcache sync") -> Iterator[None]:
+    """Hold the lock for the block; :class:`DaemonRunningError` naming the holder if it is taken."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DaemonRunningError(
+                f"{purpose}: another epochcache process (pid {_pid(fd) or 'unknown'}) holds "
+                f"{os.fspath(lock_path)}: stop it first, or give this one its own cache.dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def holder(lock_path: os.PathLike[str]) -> int | None:
+    """The pid holding the lock now (0 if unreadable), or None if nobody holds it."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _pid(fd) or 0
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _pid(fd: int) -> int | None:
+    text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    return int(text) if text.isdigit() else None
