@@ -5,13 +5,16 @@ from __future__ import annotations
 import pytest
 
 from epochcache.errors import ConfigError
-from epochcache.evict import POLICIES, Fifo, policy_named
+from epochcache.evict import POLICIES, Fifo, Lru, MaxUses, MostUsed, Random, policy_named
 from epochcache.ledger import ShardRecord
 
 
-def record(shard_id: str, created: float, nbytes: int = 100) -> ShardRecord:
+def record(
+    shard_id: str, created: float, nbytes: int = 100, uses: int = 0, last_used: float | None = None
+) -> ShardRecord:
     return ShardRecord(
-        id=shard_id, filename=f"{shard_id}.arrow", nbytes=nbytes, rows=1, created=created, checksum="0" * 32, units=()
+        id=shard_id, filename=f"{shard_id}.arrow", nbytes=nbytes, rows=1, created=created, checksum="0" * 32,
+        units=(), uses=uses, last_used=last_used,
     )
 
 
@@ -61,9 +64,57 @@ def test_policy_named_fifo() -> None:
 
 def test_policy_named_unknown_lists_valid_policies() -> None:
     with pytest.raises(ConfigError) as info:
-        policy_named("lru")
+        policy_named("oldest")
     message = str(info.value)
     assert "cache.eviction" in message
-    assert "'lru'" in message
+    assert "'oldest'" in message
     for name in POLICIES:
         assert name in message
+
+
+def test_lru_least_recently_used_first_never_used_counts_as_created() -> None:
+    candidates = [
+        record("old-but-fresh", 1.0, last_used=50.0),
+        record("used-long-ago", 2.0, last_used=10.0),
+        record("never-used", 20.0),
+        record("used-late", 3.0, last_used=90.0),
+    ]
+    assert [r.id for r in Lru()(candidates, 10_000)] == ["used-long-ago", "never-used", "old-but-fresh", "used-late"]
+    assert [r.id for r in Lru()(candidates, 150)] == ["used-long-ago", "never-used"]
+
+
+def test_most_used_first_ties_oldest_first() -> None:
+    candidates = [record("a", 1.0, uses=2), record("b", 2.0, uses=5), record("c", 3.0, uses=5), record("d", 0.5)]
+    assert [r.id for r in MostUsed()(candidates, 10_000)] == ["b", "c", "a", "d"]
+    assert [r.id for r in MostUsed()(candidates, 100)] == ["b"]
+
+
+def test_random_is_a_seeded_permutation() -> None:
+    candidates = [record(f"s{i:02d}", float(i)) for i in range(40)]
+    first = [r.id for r in Random(seed=1)(candidates, 10_000)]
+    assert sorted(first) == sorted(r.id for r in candidates)
+    assert first == [r.id for r in Random(seed=1)(list(reversed(candidates)), 10_000)]  # input order ignored
+    assert first != [r.id for r in Random(seed=2)(candidates, 10_000)]
+    assert first != sorted(first)
+    assert len(Random(seed=1)(candidates, 250)) == 3
+
+
+def test_max_uses_goes_first_whatever_the_policy() -> None:
+    candidates = [record("new-worn", 9.0, uses=4), record("old", 1.0, uses=1), record("worn", 5.0, uses=3)]
+    policy = MaxUses(Fifo(), max_uses=3)
+    assert [r.id for r in policy(candidates, 150)] == ["worn", "new-worn"]
+    assert [r.id for r in policy(candidates, 250)] == ["worn", "new-worn", "old"]
+    assert [r.id for r in policy(candidates, 50)] == ["worn"]
+    assert policy.label(candidates[0]) == "max_uses" and policy.label(candidates[1]) == "fifo"
+    assert policy.name == "fifo"
+
+
+@pytest.mark.parametrize("name", ["fifo", "lru", "most-used", "random"])
+def test_every_policy_by_name_and_labels(name: str) -> None:
+    policy = policy_named(name)
+    assert policy.name == name and POLICIES[name] is policy
+    victims = policy([record("a", 1.0), record("b", 2.0)], 150)
+    assert sorted(r.id for r in victims) == ["a", "b"]
+    assert {policy.label(v) for v in victims} == {name}
+    wrapped = policy_named(name, max_uses=2)
+    assert isinstance(wrapped, MaxUses) and wrapped.policy is policy and wrapped.max_uses == 2

@@ -253,7 +253,7 @@ def test_make_room_blocked_by_leases_retires_then_evicts(ledger: Ledger) -> None
     budget = 3 * S + SLACK
 
     assert ledger.make_room(S, budget, Fifo()) is None
-    assert ledger.shards() == records  # nothing evicted
+    assert ids(ledger.shards()) == ids(records)  # nothing evicted
     assert ledger.usage().reserved_bytes == 0  # nothing reserved
     assert ledger.counters().get("evicted", 0) == 0
 
@@ -296,7 +296,7 @@ def test_repeated_make_room_while_blocked_does_not_retire_more(ledger: Ledger) -
         assert retiring == ["s0", "s1"]
         retiring_bytes = sum(r.nbytes for r in ledger.shards() if r.id in retiring)
         assert need <= retiring_bytes < need + S
-    assert ledger.shards() == records
+    assert ids(ledger.shards()) == ids(records)
     assert ledger.usage().reserved_bytes == 0
 
 
@@ -432,3 +432,77 @@ def test_ledger_is_charged_a_fixed_reserve_beyond_its_database(ledger: Ledger, t
     assert ledger.disk_bytes() == database + LEDGER_RESERVE
     real = sum(p.stat().st_size for p in (tmp_path / "ledger").iterdir())
     assert real <= ledger.disk_bytes(), "the WAL and shared-memory files fit in the reserve"
+
+
+# -- uses, quarantine, daemon state ---------------------------------------------------------------
+
+
+def test_snapshot_counts_uses_in_the_same_transaction(ledger: Ledger) -> None:
+    publish_all(ledger, [record(1), record(2)])
+    before = time.time()
+    first = ledger.snapshot("t", ttl_s=60)
+    assert [r.uses for r in first.shards] == [0, 0]  # the lease carries the counts before this use
+    ledger.publish(record(3))
+    second = ledger.snapshot("t", ttl_s=60)
+    assert [(r.id, r.uses) for r in second.shards] == [("s1", 1), ("s2", 1), ("s3", 0)]
+    by_id = {r.id: r for r in ledger.shards()}
+    assert (by_id["s1"].uses, by_id["s3"].uses) == (2, 1)
+    assert before <= by_id["s1"].last_used <= time.time()
+    assert ledger.leases()[0]["taken"] >= before
+
+
+def test_evictions_counted_per_policy_label(ledger: Ledger) -> None:
+    from epochcache.evict import MaxUses
+
+    publish_all(ledger, [record(i) for i in range(4)])
+    ledger.release(ledger.snapshot("t", ttl_s=60).id)  # every shard used once
+    ledger.publish(record(9))
+    policy = MaxUses(Fifo(), max_uses=1)
+    victims = ledger.make_room(S, budget=5 * S + SLACK, choose=policy, evict_to=3 * S + SLACK)
+    assert ids(victims) == ["s0", "s1", "s2"]
+    assert ledger.counters()["evicted.max_uses"] == 3
+    ledger.clear_reservation()
+    ledger.publish(record(10))
+    assert ids(ledger.make_room(3 * S, budget=4 * S + SLACK, choose=policy)) == ["s3", "s9"]
+    counters = ledger.counters()
+    assert (counters["evicted.max_uses"], counters["evicted.fifo"], counters["evicted"]) == (4, 1, 5)
+
+
+def test_quarantine_keeps_bytes_charged_until_forgotten(ledger: Ledger) -> None:
+    publish_all(ledger, [record(1), record(2)])
+    assert ledger.quarantine("s1", "bit flip") == record(1)
+    assert ledger.quarantine("s1", "again") is None  # already out of the shard set
+    assert ids(ledger.shards()) == ["s2"]
+    (entry,) = ledger.quarantined()
+    assert (entry.record, entry.reason) == (record(1), "bit flip")
+    usage = ledger.usage()
+    assert (usage.shard_bytes, usage.quarantined_bytes) == (S, S)
+    assert usage.total == 2 * S + usage.ledger_bytes
+    # Quarantined bytes block a reservation like any other bytes, and are never evicted by a policy.
+    assert ledger.make_room(S, budget=2 * S + SLACK, choose=lambda *_: []) is None
+    assert ledger.counters()["quarantined"] == 1
+    ledger.forget_quarantined(["s1"])
+    assert ledger.quarantined() == [] and ledger.usage().quarantined_bytes == 0
+    assert ledger.make_room(S, budget=2 * S + SLACK, choose=lambda *_: []) == []
+
+
+def test_adopt_records_and_counts(ledger: Ledger) -> None:
+    ledger.adopt([record(1), record(2)])
+    assert ids(ledger.shards()) == ["s1", "s2"]
+    assert ledger.counters()["adopted"] == 2
+    assert ledger.counters().get("published", 0) == 0
+
+
+def test_daemon_state_round_trip(ledger: Ledger) -> None:
+    assert ledger.daemon_state() is None
+    ledger.set_daemon_state({"pid": 7, "state": "backpressure", "since": 1.0})
+    assert ledger.daemon_state() == {"pid": 7, "state": "backpressure", "since": 1.0}
+
+
+def test_purge_expired_removes_dead_leases(ledger: Ledger) -> None:
+    publish_all(ledger, [record(1)])
+    ledger.snapshot("short", ttl_s=0.05)
+    keep = ledger.snapshot("long", ttl_s=60)
+    wait_for(lambda: len(ledger.leases()) == 1, timeout=10)
+    assert ledger.purge_expired() == 1
+    assert [lease["id"] for lease in ledger.leases()] == [keep.id]
