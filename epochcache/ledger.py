@@ -13,8 +13,8 @@ Invariants it keeps:
 - a shard named by an unexpired lease is never deleted: the policy's picks are marked retiring,
   left out of new snapshots, and evicted once no lease holds them, so a trainer that always holds
   an epoch cannot stall the cache's rotation, and the daemon waits rather than break the budget;
-- bytes are accounted here (shard records + reservation + quarantined files + the ledger's database
-  and a fixed reserve for its WAL and the lock file), never by scanning the shard folder;
+- bytes are accounted here (shard records + reservation + quarantined files + the ledger's database,
+  as much again for its journal and a fixed reserve), never by scanning the shard folder;
   quarantined files are the first bytes freed when room is needed.
 """
 
@@ -40,12 +40,13 @@ _COUNTER = "count:"
 _QUARANTINE = "quarantine:"
 _DAEMON = "daemon"
 
-# SQLite deletes the WAL when the last connection closes and regrows it later, so charging its size of
-# the moment would let a restarted daemon hand those bytes to shards. The WAL (truncated to WAL_BYTES
-# at each checkpoint), the shared-memory index and daemon.lock are charged as this fixed reserve; the
-# database file at its real size.
-WAL_BYTES = 256 * 1024
-LEDGER_RESERVE = 2 * WAL_BYTES + 64 * 1024
+# SQLite runs with a rollback journal, not a WAL: a WAL only shrinks at checkpoints, which readers that
+# hold old snapshots (trainers, status) hold off, so its size has no bound (860 KB seen in a 10 s test
+# with two trainers). A rollback journal holds the original of each page a transaction changes once,
+# so it never exceeds the database plus its headers, and it is deleted at each commit. The ledger is
+# charged twice its database (the database and a journal as large) plus this reserve: the lock file,
+# journal headers and the growth of the database between a reservation and its publish.
+LEDGER_RESERVE = 256 * 1024
 
 # Victim chooser (an eviction policy): (shards not yet retiring, leased or not, bytes to free) ->
 # shards to retire, in order. If it has a ``label(record) -> str`` method, evictions are counted per
@@ -122,8 +123,7 @@ class Ledger:
             eviction_policy="none",  # diskcache must never cull our records on its own
             size_limit=2**62,
             disk_min_file_size=2**30,  # keep every value inside SQLite: no side files to account
-            sqlite_wal_autocheckpoint=WAL_BYTES // 4096,  # pages of SQLite's default 4 KiB
-            sqlite_journal_size_limit=WAL_BYTES,
+            sqlite_journal_mode="delete",  # a bounded journal; see LEDGER_RESERVE
         )
 
     def close(self) -> None:
@@ -201,8 +201,8 @@ class Ledger:
         )
 
     def disk_bytes(self) -> int:
-        """Bytes charged to the ledger: its database file plus :data:`LEDGER_RESERVE`."""
-        return os.stat(self._dir / diskcache.core.DBNAME).st_size + LEDGER_RESERVE
+        """Bytes charged to the ledger: twice its database file (it and its journal) plus :data:`LEDGER_RESERVE`."""
+        return 2 * os.stat(self._dir / diskcache.core.DBNAME).st_size + LEDGER_RESERVE
 
     def make_room(
         self, nbytes: int, budget: int, choose: Chooser, evict_to: int | None = None

@@ -427,11 +427,14 @@ def test_leased_cache_retires_a_batch_per_epoch(ledger: Ledger) -> None:
     assert ids(ledger.make_room(S, budget, Fifo(), evict_to=7 * S + SLACK)) == ["s0", "s1", "s2", "s3"]
 
 
-def test_ledger_is_charged_a_fixed_reserve_beyond_its_database(ledger: Ledger, tmp_path: Path) -> None:
+def test_ledger_is_charged_its_database_twice_plus_a_reserve(ledger: Ledger, tmp_path: Path) -> None:
     database = (tmp_path / "ledger" / "cache.db").stat().st_size
-    assert ledger.disk_bytes() == database + LEDGER_RESERVE
+    assert ledger.disk_bytes() == 2 * database + LEDGER_RESERVE
+    publish_all(ledger, [record(i) for i in range(200)])
+    ledger.release(ledger.snapshot("t", ttl_s=60).id)  # rewrites every record in one transaction
     real = sum(p.stat().st_size for p in (tmp_path / "ledger").iterdir())
-    assert real <= ledger.disk_bytes(), "the WAL and shared-memory files fit in the reserve"
+    assert real <= ledger.disk_bytes(), "the database and its journal fit in the charge"
+    assert [p.name for p in (tmp_path / "ledger").iterdir()] == ["cache.db"], "no WAL; the journal is gone"
 
 
 # -- uses, quarantine, daemon state ---------------------------------------------------------------
