@@ -80,7 +80,7 @@ def _bytes_under(root: Path) -> int:
 def test_kill_9_daemon_30_times(tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:
     files, rows = 32, 256
     config = _config(tmp_path, files, rows, 16, max_bytes="50MB", shard_bytes="64KiB",
-                     sampler={"max_bytes_per_s": "100KB", "concurrency": 2})
+                     sampler={"max_bytes_per_s": "400KB", "concurrency": 2})
     layout = CacheLayout.create(tmp_path / "cache")
     ledger = Ledger(layout.ledger)
     rng = random.Random(4)
@@ -96,7 +96,7 @@ def test_kill_9_daemon_30_times(tmp_path: Path, procs: list[subprocess.Popen[Any
             assert check(layout, ledger, checksums=True, live=True) == Repairs(), f"life {life}"
             units = [unit for record in ledger.shards() for unit in record.units]
             assert len(units) == len(set(units)), f"life {life}: a unit is cached twice"
-            time.sleep(rng.uniform(0.0, 0.5))  # the random moment of the kill, not a synchronisation
+            time.sleep(rng.uniform(0.0, 0.6))  # the random moment of the kill, not a synchronisation
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
             debris.append(len(list(layout.shards.glob("*.tmp"))))
