@@ -66,3 +66,66 @@ def test_uncreatable_cache_dir_is_one_line(tmp_path: Path, capsys) -> None:
     code = main(["sync", "--config", str(config), "--once", "--set", f"cache.dir={tmp_path / 'a-file' / 'cache'}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "cannot create the cache dir" in err[0]
+
+
+def _corrupt_one_shard(tmp_path: Path) -> str:
+    from epochcache.layout import CacheLayout
+    from epochcache.ledger import Ledger
+
+    layout = CacheLayout(tmp_path / "cache")
+    ledger = Ledger(layout.ledger)
+    record = ledger.shards()[0]
+    ledger.close()
+    path = layout.shards / record.filename
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x01
+    path.write_bytes(bytes(data))
+    return record.id
+
+
+def test_verify_fix_quarantines_then_gc_deletes(tmp_path: Path, capsys) -> None:
+    config = str(_config(tmp_path))
+    assert main(["sync", "--config", config, "--once", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["verify", "--config", config]) == 0
+    assert capsys.readouterr().out.strip() == "verify: nothing wrong"
+
+    bad = _corrupt_one_shard(tmp_path)
+    (tmp_path / "cache" / "shards" / "x.arrow.tmp").write_bytes(b"left by a crash")
+    assert main(["verify", "--config", config, "--json"]) == 1  # read-only: finds, changes nothing
+    found = json.loads(capsys.readouterr().out)
+    assert (found["corrupt"], found["temp_files"], found["problems"], found["daemon_running"]) == (1, 1, 2, False)
+    assert (tmp_path / "cache" / "shards" / "x.arrow.tmp").exists()
+
+    assert main(["verify", "--config", config, "--fix"]) == 0
+    assert capsys.readouterr().out.strip() == "verify --fix: 1 temp files, 1 corrupt (fixed)"
+    assert main(["verify", "--config", config]) == 0
+    capsys.readouterr()
+    assert main(["status", "--config", config, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert [q["id"] for q in status["quarantined"]] == [bad] and status["quarantined_bytes"] > 0
+    assert status["counters"]["quarantined"] == 1 and status["daemon"].startswith("not running (last pid")
+    assert main(["status", "--config", config]) == 0
+    table = capsys.readouterr().out
+    assert f"  {bad}" in table and "1 so far, 1 kept" in table and "newest" in table
+
+    assert main(["gc", "--config", config]) == 0
+    assert "1 quarantined shards deleted" in capsys.readouterr().out
+    assert list((tmp_path / "cache" / "quarantine").iterdir()) == []
+    assert main(["status", "--config", config, "--json"]) == 0
+    after = json.loads(capsys.readouterr().out)
+    assert after["quarantined"] == [] and after["quarantined_bytes"] == 0
+
+
+def test_verify_fix_refused_while_a_daemon_runs(tmp_path: Path, capsys) -> None:
+    from epochcache.layout import CacheLayout
+    from epochcache.lockfile import exclusive
+
+    config = str(_config(tmp_path))
+    layout = CacheLayout.create(tmp_path / "cache")
+    with exclusive(layout.lock):  # as the running daemon holds it
+        assert main(["verify", "--config", config, "--fix"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "verify --fix" in err[0] and "stop it first" in err[0]
+        assert main(["verify", "--config", config, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["daemon_running"] is True

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from conftest import wait_for, write_parquet_dataset
+from epochcache.cli import main
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Ledger
 from epochcache.repair import Repairs, check
@@ -158,7 +159,7 @@ def test_two_trainers_never_see_the_budget_overrun(tmp_path: Path, procs: list[s
 
 
 def test_killed_trainer_lease_expires_and_eviction_resumes(
-    tmp_path: Path, procs: list[subprocess.Popen[Any]]
+    tmp_path: Path, procs: list[subprocess.Popen[Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = _config(tmp_path, 8, 1024, 64, max_bytes="2MB", shard_bytes="200KB")
     cache = tmp_path / "cache"
@@ -179,6 +180,12 @@ def test_killed_trainer_lease_expires_and_eviction_resumes(
         procs.append(daemon)
         wait_for(lambda: (ledger.daemon_state() or {}).get("state") == "backpressure", timeout=30)
         assert ledger.counters().get("evicted", 0) == 0
+        assert main(["status", "-c", str(config), "--json"]) == 0
+        status = json.loads(capsys.readouterr().out)
+        assert status["daemon"].startswith(f"running pid {daemon.pid}: backpressure for")
+        (shown,) = status["leases"]
+        assert f":{trainer.pid}:" in shown["owner"] and shown["shards"] == len(held)
+        assert shown["age_s"] >= 0 and 0 <= shown["expires_in_s"] <= 1.5
         assert held <= {r.id for r in ledger.shards()} and all((layout.shards / r.filename).exists()
                                                                for r in ledger.shards())
         trainer.send_signal(signal.SIGKILL)
