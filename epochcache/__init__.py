@@ -28,6 +28,9 @@ from epochcache.errors import (
     SourceError,
 )
 from epochcache.ledger import Ledger, ShardRecord
+from epochcache.maintenance import collect_garbage, verify_cache
+from epochcache.quarantine import quarantine_shard
+from epochcache.repair import Repairs
 
 __version__ = "0.1.0"
 
@@ -59,6 +62,7 @@ __all__ = [
     "Ledger",
     "LoaderConfig",
     "LoaderError",
+    "Repairs",
     "SamplerConfig",
     "ShardCorruptError",
     "ShardRecord",
@@ -67,5 +71,8 @@ __all__ = [
     "SourceError",
     "SyncDaemon",
     "SyncReport",
+    "collect_garbage",
     "load_config",
+    "quarantine_shard",
+    "verify_cache",
 ]
