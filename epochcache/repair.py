@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 # With a live daemon, a file and its record change a few milliseconds apart (publish renames then
 # records; eviction unrecords then deletes): a disagreement counts only if it outlasts this.
-_SETTLE_S = 2.0
+_SETTLE_S = 1.0
 _SETTLE_POLL_S = 0.05
 
 
