@@ -47,6 +47,10 @@ _DAEMON = "daemon"
 # charged twice its database (the database and a journal as large) plus this reserve: the lock file,
 # journal headers and the growth of the database between a reservation and its publish.
 LEDGER_RESERVE = 256 * 1024
+# Each reservation also leaves room for the database's growth by the publish that follows (a record
+# and counters: a few pages, charged twice), so the charge itself, not only the bytes on disk, stays
+# within the budget after the publish.
+PUBLISH_GROWTH = 64 * 1024
 
 # Victim chooser (an eviction policy): (shards not yet retiring, leased or not, bytes to free) ->
 # shards to retire, in order. If it has a ``label(record) -> str`` method, evictions are counted per
@@ -207,7 +211,8 @@ class Ledger:
     def make_room(
         self, nbytes: int, budget: int, choose: Chooser, evict_to: int | None = None
     ) -> list[ShardRecord] | None:
-        """Reserve ``nbytes`` within ``budget``, evicting the shards that ``choose`` picks.
+        """Reserve ``nbytes`` within ``budget`` (with :data:`PUBLISH_GROWTH` to spare), evicting the
+        shards that ``choose`` picks.
 
         Quarantined files count as used bytes but are never picked here: the caller purges them
         (:func:`epochcache.quarantine.purge_quarantine`) before asking for room it lacks.
@@ -228,10 +233,10 @@ class Ledger:
             quarantined = [q.record for q in self._quarantined()]
             used = (sum(r.nbytes for r in records + quarantined) + int(self._cache.get(_RESERVED, 0))
                     + self.disk_bytes())
-            need = used + nbytes - budget
+            need = used + nbytes + PUBLISH_GROWTH - budget
             victims: list[ShardRecord] = []
             if need > 0:
-                goal = max(need, used + nbytes - (budget if evict_to is None else evict_to))
+                goal = max(need, used + nbytes + PUBLISH_GROWTH - (budget if evict_to is None else evict_to))
                 retiring_ids = set(self._cache.get(_RETIRING, ()))
                 retiring = [r for r in records if r.id in retiring_ids]
                 short = goal - sum(r.nbytes for r in retiring)

@@ -196,5 +196,5 @@ def test_killed_trainer_lease_expires_and_eviction_resumes(
         assert ledger.leases() == []
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(60) == 0
-    assert ledger.usage().total <= 2_000_000
+    assert ledger.usage().total <= 2_000_000 and _bytes_under(cache) <= 2_000_000
     ledger.close()

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from epochcache.config import Config
 from epochcache.evict import Fifo
 from epochcache.layout import CacheLayout
-from epochcache.ledger import Ledger, ShardRecord
+from epochcache.ledger import PUBLISH_GROWTH, Ledger, ShardRecord
 from epochcache.status import cache_status, format_status
 
 
@@ -24,7 +24,7 @@ def test_status_reports_shards_leases_evictions_quarantine_and_progress(
     for i in range(4):
         ledger.publish(_record(i), cursor={"pass_": 0, "progress": {"pass": 0, "units done": 4, "units": None}})
     ledger.quarantine("s3", "checksum mismatch")
-    assert ledger.make_room(2000, budget=ledger.usage().total + 1000, choose=Fifo()) == [_record(0)]
+    assert ledger.make_room(2000, budget=ledger.usage().total + 1000 + PUBLISH_GROWTH, choose=Fifo()) == [_record(0)]
     ledger.snapshot("host:42:epoch3", ttl_s=60)
     ledger.set_daemon_state({"pid": 1, "state": "backpressure", "since": 0.0})
 
