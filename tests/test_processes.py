@@ -28,6 +28,7 @@ from epochcache.repair import Repairs, check
 from epochcache.shards import open_shard
 
 TRAINER = str(Path(__file__).with_name("trainer_proc.py"))
+CRASH = str(Path(__file__).with_name("crash_proc.py"))
 ROW_BYTES = 3 * 16 * 16 + 8  # one sample of make_table: a 3x16x16 uint8 image and an int64 id
 
 
@@ -115,6 +116,36 @@ def test_kill_9_daemon_30_times(tmp_path: Path, procs: list[subprocess.Popen[Any
     assert verify.returncode == 0 and json.loads(verify.stdout)["problems"] == 0, verify.stdout + verify.stderr
     print(f"kills with a temp file left: {sum(1 for d in debris if d)}/30; "
           f"adopted shards: {ledger.counters().get('adopted', 0)}; samples cached before the last run: {cached_before}")
+    ledger.close()
+
+
+@pytest.mark.parametrize("where, found", [("write", Repairs(temp_files=1)), ("publish", Repairs(adopted=1))])
+def test_kill_9_mid_write_and_before_publish(
+    tmp_path: Path, procs: list[subprocess.Popen[Any]], where: str, found: Repairs
+) -> None:
+    files, rows = 4, 256
+    config = _config(tmp_path, files, rows, 32, max_bytes="50MB", shard_bytes="64KiB")
+    layout = CacheLayout.create(tmp_path / "cache")
+    ledger = Ledger(layout.ledger)
+    crash = subprocess.Popen([sys.executable, CRASH, str(config), where], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs.append(crash)
+    assert crash.stdout is not None and crash.stdout.readline().strip() == "blocked"
+    crash.send_signal(signal.SIGKILL)
+    crash.wait(30)
+    assert check(layout, ledger) == found  # the debris of the kill, found before any repair
+    assert ledger.shards() == []
+
+    finish = subprocess.run([sys.executable, "-m", "epochcache", "sync", "-c", str(config), "--once", "--no-progress"],
+                            capture_output=True, text=True, timeout=120)
+    assert finish.returncode == 0, finish.stderr
+    assert f"reconciled {layout.root}" in finish.stderr  # repaired at start, and said so
+    assert check(layout, ledger, checksums=True) == Repairs()
+    assert ledger.counters().get("adopted", 0) == found.adopted
+    units = [unit for record in ledger.shards() for unit in record.units]
+    assert len(units) == len(set(units)) == files * rows // 32
+    ids = sorted(int(i) for r in ledger.shards() for i in open_shard(layout.shards / r.filename)["id"].to_pylist())
+    assert ids == list(range(files * rows))
     ledger.close()
 
 
