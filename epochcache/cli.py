@@ -107,7 +107,8 @@ def _verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**asdict(repairs), "problems": repairs.problems, "daemon_running": live}))
     else:
-        found = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in asdict(repairs).items() if n) or "nothing wrong"
+        counts = asdict(repairs).items()
+        found = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in counts if n) or "nothing wrong"
         print(f"verify{' --fix' if args.fix else ''}: {found}{' (fixed)' if args.fix and repairs.problems else ''}")
     return 1 if repairs.problems and not args.fix else 0
 
@@ -115,7 +116,8 @@ def _verify(args: argparse.Namespace) -> int:
 def _gc(args: argparse.Namespace) -> int:
     from epochcache.maintenance import collect_garbage
 
-    print("gc: " + ", ".join(f"{n} {what}" for what, n in collect_garbage(load_config(args.config, args.overrides)).items()))
+    done = collect_garbage(load_config(args.config, args.overrides))
+    print("gc: " + ", ".join(f"{n} {what}" for what, n in done.items()))
     return 0
 
 

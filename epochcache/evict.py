@@ -26,7 +26,8 @@ from epochcache.ledger import ShardRecord, by_age, take_until
 class Policy(Protocol):
     """Orders ``candidates`` for eviction and returns the shortest prefix freeing ``need`` bytes."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def __call__(self, candidates: Sequence[ShardRecord], need: int) -> list[ShardRecord]: ...
 

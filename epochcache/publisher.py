@@ -33,7 +33,7 @@ from epochcache.config import CacheConfig
 from epochcache.errors import BudgetError
 from epochcache.evict import policy_named
 from epochcache.layout import CacheLayout
-from epochcache.ledger import PUBLISH_GROWTH, Ledger, ShardRecord
+from epochcache.ledger import PUBLISH_GROWTH, Chooser, Ledger, ShardRecord
 from epochcache.quarantine import purge_quarantine
 from epochcache.shards import ShardMeta, encoded_size, with_record_meta, write_shard
 
@@ -77,7 +77,8 @@ class Publisher:
         meta = ShardMeta(id=f"{time.time_ns():x}-{uuid.uuid4().hex[:8]}", created=time.time(), units=tuple(units))
         table = with_record_meta(table.combine_chunks(), meta)
         nbytes = encoded_size(table)
-        if nbytes + PUBLISH_GROWTH > self.budget - self.ledger.disk_bytes():  # a bigger shard than configured: one huge unit
+        # A bigger shard than configured: one huge unit.
+        if nbytes + PUBLISH_GROWTH > self.budget - self.ledger.disk_bytes():
             raise BudgetError(
                 f"a shard of {nbytes} bytes does not fit in cache.max_bytes={self.budget}: raise the budget "
                 f"or lower cache.shard_bytes (units of the remote are the smallest piece a shard can hold)"
@@ -121,7 +122,7 @@ class Publisher:
 
     def _make_room(self, nbytes: int) -> list[ShardRecord] | None:
         """Reserve ``nbytes``; evict, or wait while only leased shards could go. None: stopped/full."""
-        choose = self.policy if self.evict else (lambda *_: [])
+        choose: Chooser = self.policy if self.evict else (lambda *_: [])
         usage = self.ledger.usage()
         if usage.quarantined_bytes and usage.total + nbytes + PUBLISH_GROWTH > self.budget:
             purge_quarantine(self.layout, self.ledger)

@@ -57,7 +57,7 @@ class _Findings:
     lost_quarantine: frozenset[str]
 
     def __and__(self, other: _Findings) -> _Findings:
-        return _Findings(*(a & b for a, b in zip(astuple(self), astuple(other))))
+        return _Findings(*(a & b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
     def __bool__(self) -> bool:
         return any(astuple(self))

@@ -50,7 +50,7 @@ def with_record_meta(table: pa.Table, meta: ShardMeta) -> pa.Table:
 def read_record_meta(path: Path) -> tuple[ShardMeta, int]:
     """The :class:`ShardMeta` and row count of a shard file; :class:`ShardCorruptError` if it has none."""
     table = open_shard(path)
-    raw = (table.schema.metadata or {}).get(_META)
+    raw = (table.schema.metadata or {}).get(_META, b"")
     try:
         data = json.loads(raw)
         meta = ShardMeta(id=str(data["id"]), created=float(data["created"]), units=tuple(map(str, data["units"])))

@@ -77,9 +77,10 @@ def format_status(status: dict[str, Any]) -> str:
         ("daemon", status["daemon"]),
         ("shards", f"{status['shards']}"),
         ("samples", f"{status['samples']}"),
-        ("bytes", f"{human_bytes(used)} of {human_bytes(budget)} ({100 * used / budget:.1f}%): "
-                  f"shards {human_bytes(status['shard_bytes'])}, writing {human_bytes(status['reserved_bytes'])}, "
-                  f"quarantine {human_bytes(status['quarantined_bytes'])}, ledger {human_bytes(status['ledger_bytes'])}"),
+        ("bytes", f"{human_bytes(used)} of {human_bytes(budget)} ({100 * used / budget:.1f}%): " + ", ".join(
+            f"{part} {human_bytes(status[key])}" for part, key in
+            (("shards", "shard_bytes"), ("writing", "reserved_bytes"), ("quarantine", "quarantined_bytes"),
+             ("ledger", "ledger_bytes")))),
         ("policy", status["eviction"] + (f", max_uses {status['max_uses']}" if status["max_uses"] else "")),
         ("leases", f"{len(status['leases'])}"),
         *((f"  {lease['owner']}", f"{lease['shards']} shards, age {lease['age_s']}s, "

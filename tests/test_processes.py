@@ -91,7 +91,7 @@ def test_kill_9_daemon_30_times(tmp_path: Path, procs: list[subprocess.Popen[Any
         for life in range(30):
             proc = _daemon(config, log)
             procs.append(proc)
-            wait_for(lambda: _started(ledger, proc.pid) or proc.poll() is not None, timeout=30)
+            wait_for(lambda p=proc: _started(ledger, p.pid) or p.poll() is not None, timeout=30)
             assert proc.poll() is None, (tmp_path / "daemon.log").read_text()[-2000:]
             # After every restart: nothing wrong (the one temp file of the shard in progress aside),
             # every recorded shard whole, and no unit held by two shards.
@@ -177,7 +177,7 @@ def test_two_trainers_never_see_the_budget_overrun(tmp_path: Path, procs: list[s
         assert daemon.wait(60) == 0
     done.set()
     watcher.join(10)
-    for trainer, (out, err) in zip(trainers, outputs):
+    for trainer, (out, err) in zip(trainers, outputs, strict=True):
         assert trainer.returncode == 0, err[-3000:]
         epochs = [json.loads(line) for line in out.splitlines()]
         assert len(epochs) == 15 and all(e["samples"] == e["ids"] > 0 for e in epochs)
