@@ -13,10 +13,10 @@ from pathlib import Path
 def tree_pss_bytes(pid: int | None = None) -> int:
     """PSS of ``pid`` (default: this process) and all its descendants, in bytes."""
     root = os.getpid() if pid is None else pid
-    return sum(_pss(p) for p in _tree(root))
+    return sum(_pss(p) for p in process_tree(root))
 
 
-def _tree(pid: int) -> list[int]:
+def process_tree(pid: int) -> list[int]:
     """``pid`` and its descendants, found through each process's parent in ``/proc/*/stat``."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
