@@ -21,6 +21,7 @@ snapshot, seed and epoch, so a resumed epoch skips the batches already seen with
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import socket
@@ -36,7 +37,7 @@ from pydantic import ValidationError
 from torch.utils.data import DataLoader
 
 from epochcache.config import LoaderConfig, format_validation_error, load_config
-from epochcache.dataset import Batch, ShardSetDataset
+from epochcache.dataset import ShardSetDataset
 from epochcache.device import pin_batch, pinning_available, to_device
 from epochcache.distributed import Peers
 from epochcache.errors import CacheEmptyError, ConfigError, LoaderError, ShardCorruptError
@@ -47,10 +48,13 @@ from epochcache.prefetch import BatchThread
 from epochcache.shards import verify_shard
 from epochcache.transform import BatchTransform, SampleTransform, TransformedDataset
 from epochcache.waiting import wait_for_samples
+from epochcache.wire import from_wire, to_wire
 
 log = logging.getLogger(__name__)
 
-_EMPTY_POLL_S = 0.1
+# A snapshot of an empty cache is one small SQLite transaction: polling often keeps the time to the
+# first batch, when the trainer and the daemon start together, close to the daemon's first publish.
+_EMPTY_POLL_S = 0.02
 _STATE_KEYS = ("epoch", "position", "seed", "shards", "snapshot")
 # Worker processes chosen when a transform is given and loader.num_workers is left unset.
 _AUTO_WORKERS = 2
@@ -105,8 +109,11 @@ class _Epoch:
     the preparing thread starts the batch thread itself, which builds the first batches at once.
     """
 
-    def __init__(self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], loader: DataLoader[Any] | BatchThread | None):
-        self.info, self.lease, self.shards, self._loader = info, lease, shards, loader
+    def __init__(
+        self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], loader: DataLoader[Any] | BatchThread | None,
+        pin: bool,
+    ):
+        self.info, self.lease, self.shards, self._loader, self._pin = info, lease, shards, loader, pin
         self._iterator: Iterator[Any] | None = loader if isinstance(loader, BatchThread) else None
 
     def start(self) -> None:
@@ -115,7 +122,13 @@ class _Epoch:
 
     def batches(self) -> Iterator[Any]:
         self.start()
-        if self._iterator is not None:
+        if isinstance(self._loader, DataLoader) and self._iterator is not None:
+            # Stop at the known count instead of asking for one more: the DataLoader would answer
+            # that by joining its workers here, in the gap before the next epoch's first batch.
+            # Worker batches arrive as numpy (see epochcache.wire).
+            for batch in itertools.islice(self._iterator, len(self._loader)):
+                yield pin_batch(from_wire(batch)) if self._pin else from_wire(batch)
+        elif self._iterator is not None:
             yield from self._iterator
 
     def close(self) -> None:
@@ -123,11 +136,6 @@ class _Epoch:
             self._loader.close()
         self._iterator = None  # drops the DataLoader iterator, which shuts its workers down
         self._loader = None
-
-
-def _pass_through(batch: Batch) -> Batch:
-    """collate_fn: ``ShardSetDataset.__getitems__`` already returns a collated batch."""
-    return batch
 
 
 class EpochCachedLoader:
@@ -175,6 +183,7 @@ class EpochCachedLoader:
         self._held_lock = threading.Lock()
         self._closed = threading.Event()
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-prepare")
+        self._cleanup_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-cleanup")
         self._heartbeat = threading.Thread(target=self._renew_leases, name="epochcache-lease", daemon=True)
         self._heartbeat.start()
 
@@ -209,7 +218,7 @@ class EpochCachedLoader:
         info = self._last = current.info
         self._progress = _Progress(epoch, info.start_batch, info.batches, current.shards)
         trigger = min(max(info.batches - 1, 0), int(info.batches * self.config.prepare_next_at))
-        batches = current.batches()
+        batches, completed = current.batches(), False
         try:
             for number, batch in enumerate(self._on_device(batches), start=info.start_batch):
                 if number == info.start_batch:
@@ -221,8 +230,12 @@ class EpochCachedLoader:
                 yield batch
             self._progress = None
             self._prepare_ahead(epoch + 1)
+            completed = True
         finally:
-            self._finish(current)
+            if completed:  # off the path to the next epoch's first batch: joining workers takes tens of ms
+                self._cleanup_pool.submit(self._finish, current)
+            else:
+                self._finish(current)
 
     # -- resume ---------------------------------------------------------------------------------
 
@@ -265,6 +278,7 @@ class EpochCachedLoader:
         self._closed.set()
         self._drop_prepared()
         self._prepare_pool.shutdown(wait=True)
+        self._cleanup_pool.shutdown(wait=True)
         self._heartbeat.join()
         with self._held_lock:
             for lease_id in self._held:
@@ -334,7 +348,7 @@ class EpochCachedLoader:
                 batches=sampler.count, skipped_shards=len(lease.shards) - len(records), prepared_ahead=ahead,
                 snapshot=snapshot_id([r.id for r in records]), start_batch=min(sampler.start, sampler.count),
             )
-            return _Epoch(info, lease, tuple(r.id for r in records), self._batch_source(dataset, sampler))
+            return _Epoch(info, lease, tuple(r.id for r in records), self._batch_source(dataset, sampler), self._pin)
         except BaseException:
             self._release(lease.id)
             raise
@@ -370,8 +384,8 @@ class EpochCachedLoader:
             build = (lambda idx: pin_batch(data.__getitems__(idx))) if self._pin else data.__getitems__
             return BatchThread(build, sampler, self.config.prefetch_batches)
         return DataLoader(
-            data, batch_sampler=sampler, num_workers=self._workers, collate_fn=_pass_through,
-            pin_memory=self._pin, prefetch_factor=self.config.prefetch_batches,
+            data, batch_sampler=sampler, num_workers=self._workers, collate_fn=to_wire,
+            prefetch_factor=self.config.prefetch_batches,
         )
 
     def _snapshot(self, epoch: int) -> Lease:
