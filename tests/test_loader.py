@@ -209,3 +209,12 @@ def test_min_samples_waits_for_a_running_daemon(remote: str, make_config: Callab
     finally:
         daemon.stop()
     assert not daemon_running(layout)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the side-stream copy path)")
+def test_cuda_device_batches_arrive_on_the_gpu_intact(synced: Config) -> None:
+    with EpochCachedLoader(synced.cache.dir, batch_size=64, device="cuda", pin_memory=True) as loader:
+        batches = list(loader)
+    assert all(b["image"].is_cuda and b["id"].is_cuda for b in batches)
+    assert sorted(int(i) for b in batches for i in b["id"].cpu()) == list(range(ROWS))
+    assert all(torch.equal(b["image"][:, 0, 0, 0].cpu(), (b["id"].cpu() % 251).to(torch.uint8)) for b in batches)
