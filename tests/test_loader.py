@@ -13,6 +13,7 @@ from conftest import DaemonThread, wait_for, write_parquet_dataset
 from epochcache import CacheEmptyError, ConfigError, EpochCachedLoader, Ledger, SyncDaemon
 from epochcache.config import Config
 from epochcache.layout import CacheLayout
+from epochcache.shards import open_shard
 from epochcache.waiting import daemon_running
 
 ROWS = 6 * 4 * 32  # files x groups x rows
@@ -218,3 +219,25 @@ def test_cuda_device_batches_arrive_on_the_gpu_intact(synced: Config) -> None:
     assert all(b["image"].is_cuda and b["id"].is_cuda for b in batches)
     assert sorted(int(i) for b in batches for i in b["id"].cpu()) == list(range(ROWS))
     assert all(torch.equal(b["image"][:, 0, 0, 0].cpu(), (b["id"].cpu() % 251).to(torch.uint8)) for b in batches)
+
+
+def test_a_shuffled_batch_draws_from_many_shards(synced: Config) -> None:
+    layout = CacheLayout(Path(synced.cache.dir))
+    ledger = Ledger(layout.ledger)
+    shard_of = {
+        int(i): record.id for record in ledger.shards() for i in open_shard(layout.shards / record.filename)["id"].to_numpy()
+    }
+    ledger.close()
+    with EpochCachedLoader(synced.cache.dir, batch_size=64) as loader:
+        first = next(iter(loader))
+    touched = {shard_of[int(i)] for i in first["id"]}
+    assert len(set(shard_of.values())) > 2 and len(touched) > 2
+
+
+def test_an_error_while_building_a_batch_reaches_the_training_loop(synced: Config) -> None:
+    def broken(batch: dict) -> dict:
+        raise ValueError("bad sample")
+
+    with EpochCachedLoader(synced.cache.dir, batch_size=64, transform=broken, num_workers=0) as loader:
+        with pytest.raises(ValueError, match="bad sample"):
+            next(iter(loader))
