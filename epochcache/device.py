@@ -10,7 +10,7 @@ stream may still read it. On the CPU both are no-ops and batches pass through un
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ def pinning_available() -> bool:
     return False
 
 
-def to_device(batches: Iterator[dict[str, Any]], device: torch.device) -> Iterator[dict[str, Any]]:
+def to_device(batches: Iterator[dict[str, Any]], device: torch.device) -> Generator[dict[str, Any], None, None]:
     """``batches`` with their tensors moved to ``device``, one batch copied ahead on CUDA."""
     if device.type != "cuda":
         for batch in batches:

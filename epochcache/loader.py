@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -120,7 +120,7 @@ class _Epoch:
         if self._iterator is None and self._loader is not None:
             self._iterator = iter(self._loader)
 
-    def batches(self) -> Iterator[Any]:
+    def batches(self) -> Generator[Any, None, None]:
         self.start()
         if isinstance(self._loader, DataLoader) and self._iterator is not None:
             # Stop at the known count instead of asking for one more: the DataLoader would answer
@@ -219,8 +219,9 @@ class EpochCachedLoader:
         self._progress = _Progress(epoch, info.start_batch, info.batches, current.shards)
         trigger = min(max(info.batches - 1, 0), int(info.batches * self.config.prepare_next_at))
         batches, completed = current.batches(), False
+        stream = self._on_device(batches)
         try:
-            for number, batch in enumerate(self._on_device(batches), start=info.start_batch):
+            for number, batch in enumerate(stream, start=info.start_batch):
                 if number == info.start_batch:
                     self._last = replace(info, first_batch_wait_s=time.monotonic() - started)
                 if number >= trigger:
@@ -232,6 +233,8 @@ class EpochCachedLoader:
             self._prepare_ahead(epoch + 1)
             completed = True
         finally:
+            stream.close()  # lets go of the DataLoader iterator now, so closing the epoch shuts its workers
+            batches.close()
             if completed:  # off the path to the next epoch's first batch: joining workers takes tens of ms
                 self._cleanup_pool.submit(self._finish, current)
             else:
@@ -308,7 +311,7 @@ class EpochCachedLoader:
             )
             self._waited = True
 
-    def _on_device(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def _on_device(self, batches: Generator[Any, None, None]) -> Generator[Any, None, None]:
         return batches if self._device is None else to_device(batches, self._device)
 
     def _take_prepared(self, epoch: int, resume: _Progress | None) -> _Epoch:
