@@ -27,8 +27,8 @@ from pydantic import ByteSize, TypeAdapter
 from epochcache import EpochCachedLoader, SyncDaemon
 from epochcache.config import Config, load_config
 from epochcache.dataset import _numpy_view
-from epochcache.ledger import Ledger
 from epochcache.layout import CacheLayout
+from epochcache.ledger import Ledger
 from epochcache.pss import tree_pss_bytes
 from epochcache.shards import open_shard
 
@@ -158,28 +158,31 @@ def report(rows: int, size: int, numpy_rate: float, modes: list[dict[str, Any]],
            pss: list[int], args: argparse.Namespace) -> None:
     first_batch_s, first_shard_s = first
     growth = pss[-1] / pss[1] - 1 if len(pss) > 1 else 0.0
-    lines = [
-        f"loader benchmark: {rows} samples x {SAMPLE_BYTES} B = {rows * SAMPLE_BYTES / 1e6:.0f} MB, batch {BATCH}, "
-        f"medians of {args.epochs} warm epochs",
-        f"{'measure':<44}{'value':>14}{'target':>22}",
-        f"{'numpy copy from page cache (MB/s)':<44}{numpy_rate / 1e6:>14.0f}{'(the limit)':>22}",
-    ]
+    rows_out = [("numpy copy from page cache, MB/s", f"{numpy_rate / 1e6:.0f}", "(the limit)")]
     for mode in modes:
+        name = "0 workers (thread)" if mode["workers"] == 0 else "2 workers"
         share = mode["mb_per_s"] * 1e6 / numpy_rate
-        target = ">= 40% (best mode)" if mode["workers"] == 0 else ">= 8%"
-        name = "thread mode (0 workers)" if mode["workers"] == 0 else "2 worker processes"
-        lines += [
-            f"{name + ': samples/s':<44}{mode['samples_per_s']:>14.0f}",
-            f"{name + ': MB/s (% of numpy)':<44}{mode['mb_per_s']:>8.0f} ({share:>3.0%}){target:>22}",
-            f"{name + ': steady batch interval (ms)':<44}{mode['batch_interval_ms']:>14.2f}",
-            f"{name + ': epoch gap median / max (ms)':<44}{mode['epoch_gap_ms']:>7.2f} /{mode['epoch_gap_max_ms']:>5.1f}"
-            f"{'<= 1 interval':>22}",
+        rows_out += [
+            (f"{name}: samples/s", f"{mode['samples_per_s']:.0f}", ""),
+            (f"{name}: MB/s (share of numpy)", f"{mode['mb_per_s']:.0f} ({share:.0%})",
+             ">= 40% (best mode)" if mode["workers"] == 0 else ">= 8%"),
+            (f"{name}: steady batch interval, ms", f"{mode['batch_interval_ms']:.2f}", ""),
+            (f"{name}: epoch gap median / max, ms", f"{mode['epoch_gap_ms']:.2f} / {mode['epoch_gap_max_ms']:.2f}",
+             "<= 1 interval"),
         ]
-    lines += [
-        f"{'time to first batch, empty cache (s)':<44}{first_batch_s:>14.3f}{'<= 0.25':>22}",
-        f"{'  of which until the first shard is published':<44}{first_shard_s:>14.3f}",
-        f"{'PSS epoch 2 -> %d, 2 workers (MiB)' % len(pss):<44}"
-        f"{pss[1] / 2**20 if len(pss) > 1 else 0:>6.0f} ->{pss[-1] / 2**20:>5.0f}{f'growth {growth:+.2%} (< 2%)':>22}",
+    rows_out += [
+        ("time to first batch, empty cache, s", f"{first_batch_s:.3f}", "<= 0.25"),
+        ("  of which: daemon's first shard published, s", f"{first_shard_s:.3f}", ""),
+        (f"PSS epoch 2 -> {len(pss)}, 2 workers, MiB", f"{pss[1] / 2**20:.0f} -> {pss[-1] / 2**20:.0f}",
+         f"growth {growth:+.2%} (< 2%)"),
+    ]
+    lines = [
+        (
+            f"loader benchmark: {rows} samples x {SAMPLE_BYTES} B = {rows * SAMPLE_BYTES / 1e6:.0f} MB, "
+            f"batch {BATCH}, medians of {args.epochs} warm epochs, shards of {args.shard_bytes}"
+        ),
+        f"{'measure':<48}{'value':>18}   target",
+        *(f"{label:<48}{value:>18}   {target}" for label, value, target in rows_out),
     ]
     print("\n".join(lines))
     RESULTS.parent.mkdir(exist_ok=True)

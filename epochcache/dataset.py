@@ -33,7 +33,7 @@ from epochcache.errors import LoaderError
 from epochcache.shards import open_shard
 from epochcache.sources.base import KEY_COLUMN
 
-Batch = dict[str, Union[torch.Tensor, pa.Array, list[Union[pa.Buffer, None]]]]
+Batch = dict[str, torch.Tensor | pa.Array | list[pa.Buffer | None]]
 Column = Union[np.ndarray, pa.Array, "BufferColumn"]
 
 

@@ -30,6 +30,7 @@ import time
 from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -164,7 +165,7 @@ class EpochCachedLoader:
         except ValidationError as exc:
             raise ConfigError(f"EpochCachedLoader: {format_validation_error(exc)}") from None
         self._transform, self._sample_transform = transform, sample_transform
-        self._layout = CacheLayout.create(cache_dir)
+        self._layout = CacheLayout.create(Path(cache_dir))
         self._ledger = Ledger(self._layout.ledger)
         self._peers = Peers.discover(self._layout.root)
         self._owner = f"{socket.gethostname()}:{os.getpid()}"
@@ -387,7 +388,8 @@ class EpochCachedLoader:
             build = (lambda idx: pin_batch(data.__getitems__(idx))) if self._pin else data.__getitems__
             return BatchThread(build, sampler, self.config.prefetch_batches)
         return DataLoader(
-            data, batch_sampler=sampler, num_workers=self._workers, collate_fn=to_wire,
+            # index arrays rather than lists: __getitems__ takes them whole
+            data, batch_sampler=sampler, num_workers=self._workers, collate_fn=to_wire,  # type: ignore[arg-type]
             prefetch_factor=self.config.prefetch_batches,
         )
 

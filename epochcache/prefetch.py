@@ -55,7 +55,7 @@ class BatchThread:
             for indices in sampler:
                 if not self._put(build(indices)):
                     return
-        except Exception as exc:  # handed to the consumer, which raises it
+        except Exception as exc:  # noqa: BLE001 - not swallowed: the consumer raises it at this batch
             self._put(_Failure(exc))
             return
         self._put(_DONE)

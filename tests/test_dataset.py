@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 import torch
+from conftest import ITEM_SHAPE, make_table
 from torch.utils.data import DataLoader
 
-from conftest import ITEM_SHAPE, make_table
 from epochcache.dataset import ShardSetDataset
 from epochcache.errors import LoaderError
 from epochcache.shards import write_shard

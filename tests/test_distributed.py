@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import make_table
+
 from epochcache import SyncDaemon
 from epochcache.config import load_config
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import DaemonThread, wait_for, write_parquet_dataset
+
 from epochcache import CacheEmptyError, ConfigError, EpochCachedLoader, Ledger, SyncDaemon
 from epochcache.config import Config
 from epochcache.layout import CacheLayout

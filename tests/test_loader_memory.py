@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import fsspec
-
 from conftest import wait_for, write_parquet_dataset
+
 from epochcache import EpochCachedLoader, SyncDaemon
 from epochcache.config import Config
 from epochcache.pss import process_tree, tree_pss_bytes

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from conftest import write_parquet_dataset
+
 from epochcache import EpochCachedLoader, Ledger, LoaderError, SyncDaemon
 from epochcache.config import Config
 from epochcache.layout import CacheLayout
@@ -36,7 +36,7 @@ def _batches(loader: EpochCachedLoader, stop_after: int | None = None) -> list[l
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_mid_epoch_yields_exactly_the_unseen_batches_twice_over(synced: Config, workers: int) -> None:
-    kwargs = dict(batch_size=16, seed=7, num_workers=workers)
+    kwargs = {"batch_size": 16, "seed": 7, "num_workers": workers}
     with EpochCachedLoader(synced.cache.dir, **kwargs) as reference:
         epoch0, epoch1 = _batches(reference), _batches(reference)
     with EpochCachedLoader(synced.cache.dir, **kwargs) as first:
