@@ -5,13 +5,15 @@ The data: ``--size`` bytes of 12 KB samples (a 3x64x64 uint8 image and an int64 
 Parquet "remote", synced into a cache by the real daemon. Rates are medians over warm epochs (the
 first epoch of each mode warms the page cache and is left out).
 
-    python benchmarks/loader.py [--size 250MB] [--epochs 5] [--pss-epochs 20] [--dir DIR]
+    python benchmarks/loader.py [--size 250MB] [--epochs 5] [--pss-epochs 20] [--shard-bytes 16MB]
+                                [--cold-shard-bytes 4MB] [--dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import tempfile
 import threading
@@ -104,21 +106,34 @@ def run_mode(cache: Path, workers: int, epochs: int) -> dict[str, Any]:
     }
 
 
+def _run_daemon(config: Config, published: Any) -> None:
+    """The daemon process: sync until SIGTERM, reporting its first publish time (a system-wide clock)."""
+    first = threading.Event()
+
+    def on_publish(_: Any) -> None:
+        if not first.is_set():
+            first.set()
+            published.put(time.perf_counter())
+
+    SyncDaemon(config, progress=False, on_publish=on_publish).run()
+
+
 def time_to_first_batch(remote: Path, cache: Path, size: int, shard_bytes: str) -> tuple[float, float]:
-    """Seconds from starting the daemon and the loader together on an empty cache to the first batch,
-    and to the daemon's first published shard (the part of the wait that is the daemon's)."""
+    """Seconds from starting the daemon (a forked process: imports done) and the loader together on an
+    empty cache to the first batch, and to the daemon's first published shard (its part of the wait)."""
     config = config_for(remote, cache, size, shard_bytes)
-    stop, published = threading.Event(), []
+    fork = multiprocessing.get_context("fork")
+    published = fork.Queue()
     started = time.perf_counter()
-    daemon = SyncDaemon(config, progress=False, on_publish=lambda _: published.append(time.perf_counter()))
-    thread = threading.Thread(target=daemon.run, kwargs={"stop": stop}, daemon=True)
-    thread.start()
+    daemon = fork.Process(target=_run_daemon, args=(config, published))
+    daemon.start()
     with EpochCachedLoader(cache, batch_size=BATCH, progress=False) as loader:
         next(iter(loader))
         elapsed = time.perf_counter() - started
-    stop.set()
-    thread.join()
-    return elapsed, published[0] - started
+    first_shard = published.get(timeout=60) - started
+    daemon.terminate()  # SIGTERM: the daemon stops cleanly
+    daemon.join(60)
+    return elapsed, first_shard
 
 
 def pss_per_epoch(cache: Path, epochs: int) -> list[int]:
@@ -139,7 +154,9 @@ def main() -> None:
     parser.add_argument("--size", default="250MB", help="bytes of samples (default 250MB)")
     parser.add_argument("--epochs", type=int, default=5, help="warm epochs per mode (default 5)")
     parser.add_argument("--pss-epochs", type=int, default=20)
-    parser.add_argument("--shard-bytes", default="16MB", help="cache.shard_bytes (default 16MB)")
+    parser.add_argument("--shard-bytes", default="16MB", help="cache.shard_bytes of the warm cache (default 16MB)")
+    parser.add_argument("--cold-shard-bytes", default="4MB",
+                        help="cache.shard_bytes for the time to first batch on an empty cache (default 4MB)")
     parser.add_argument("--dir", help="work dir (default: a temporary one)")
     args = parser.parse_args()
     size = int(TypeAdapter(ByteSize).validate_python(args.size))
@@ -149,7 +166,7 @@ def main() -> None:
         SyncDaemon(config_for(work / "remote", work / "cache", size, args.shard_bytes), progress=False).run(once=True)
         numpy_rate = numpy_copy_rate(work / "cache")
         modes = [run_mode(work / "cache", workers, args.epochs) for workers in (0, 2)]
-        first_batch_s, first_shard_s = time_to_first_batch(work / "remote", work / "cold-cache", size, args.shard_bytes)
+        first_batch_s, first_shard_s = time_to_first_batch(work / "remote", work / "cold", size, args.cold_shard_bytes)
         pss = pss_per_epoch(work / "cache", args.pss_epochs)
     report(rows, size, numpy_rate, modes, (first_batch_s, first_shard_s), pss, args)
 
@@ -171,7 +188,7 @@ def report(rows: int, size: int, numpy_rate: float, modes: list[dict[str, Any]],
              "<= 1 interval"),
         ]
     rows_out += [
-        ("time to first batch, empty cache, s", f"{first_batch_s:.3f}", "<= 0.25"),
+        (f"time to first batch, empty cache ({args.cold_shard_bytes} shards), s", f"{first_batch_s:.3f}", "<= 0.25"),
         ("  of which: daemon's first shard published, s", f"{first_shard_s:.3f}", ""),
         (f"PSS epoch 2 -> {len(pss)}, 2 workers, MiB", f"{pss[1] / 2**20:.0f} -> {pss[-1] / 2**20:.0f}",
          f"growth {growth:+.2%} (< 2%)"),
@@ -188,7 +205,7 @@ def report(rows: int, size: int, numpy_rate: float, modes: list[dict[str, Any]],
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({
         "rows": rows, "sample_bytes": SAMPLE_BYTES, "batch_size": BATCH, "size": size,
-        "shard_bytes": args.shard_bytes, "numpy_copy_mb_per_s": numpy_rate / 1e6, "modes": modes,
+        "shard_bytes": args.shard_bytes, "cold_shard_bytes": args.cold_shard_bytes, "numpy_copy_mb_per_s": numpy_rate / 1e6, "modes": modes,
         "time_to_first_batch_s": first_batch_s, "first_shard_published_s": first_shard_s, "pss_bytes_per_epoch": pss, "pss_growth": growth,
     }, indent=2))
 
