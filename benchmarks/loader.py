@@ -5,7 +5,7 @@ The data: ``--size`` bytes of 12 KB samples (a 3x64x64 uint8 image and an int64 
 Parquet "remote", synced into a cache by the real daemon. Rates are medians over warm epochs (the
 first epoch of each mode warms the page cache and is left out).
 
-    python benchmarks/loader.py [--size 250MB] [--epochs 5] [--pss-epochs 20] [--shard-bytes 16MB]
+    python benchmarks/loader.py [--size 250MB] [--epochs 5] [--pss-epochs 20] [--shard-bytes 64MB]
                                 [--cold-shard-bytes 4MB] [--dir DIR]
 """
 
@@ -63,7 +63,7 @@ def config_for(remote: Path, cache: Path, size: int, shard_bytes: str) -> Config
     })
 
 
-def numpy_copy_rate(cache: Path, repeats: int = 5) -> float:
+def numpy_copy_rate(cache: Path, repeats: int = 9) -> float:
     """Bytes/s of copying every shard's columns from the page cache into one preallocated buffer."""
     ledger = Ledger(CacheLayout(cache).ledger)
     layout = CacheLayout(cache)
@@ -154,7 +154,8 @@ def main() -> None:
     parser.add_argument("--size", default="250MB", help="bytes of samples (default 250MB)")
     parser.add_argument("--epochs", type=int, default=5, help="warm epochs per mode (default 5)")
     parser.add_argument("--pss-epochs", type=int, default=20)
-    parser.add_argument("--shard-bytes", default="16MB", help="cache.shard_bytes of the warm cache (default 16MB)")
+    parser.add_argument("--shard-bytes", default="64MB",
+                        help="cache.shard_bytes of the warm cache (default 64MB, the config default)")
     parser.add_argument("--cold-shard-bytes", default="4MB",
                         help="cache.shard_bytes for the time to first batch on an empty cache (default 4MB)")
     parser.add_argument("--dir", help="work dir (default: a temporary one)")
