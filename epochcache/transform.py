@@ -37,6 +37,7 @@ class TransformedDataset(Dataset[Any]):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Any:
+        """A batch of one: the transforms expect batches, so single samples are not unwrapped."""
         return self.__getitems__([index])
 
     def __getitems__(self, indices: Sequence[int] | np.ndarray) -> Any:
