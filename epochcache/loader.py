@@ -20,7 +20,6 @@ snapshot, seed and epoch, so a resumed epoch skips the batches already seen with
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import os
@@ -46,6 +45,7 @@ from epochcache.layout import CacheLayout
 from epochcache.ledger import Lease, Ledger, ShardRecord
 from epochcache.order import EpochBatches, batch_count, epoch_order, rank_part
 from epochcache.prefetch import BatchThread
+from epochcache.resume import Progress, read_state, snapshot_id
 from epochcache.shards import verify_shard
 from epochcache.transform import BatchTransform, SampleTransform, TransformedDataset
 from epochcache.waiting import wait_for_samples
@@ -56,7 +56,6 @@ log = logging.getLogger(__name__)
 # A snapshot of an empty cache is one small SQLite transaction: polling often keeps the time to the
 # first batch, when the trainer and the daemon start together, close to the daemon's first publish.
 _EMPTY_POLL_S = 0.02
-_STATE_KEYS = ("epoch", "position", "seed", "shards", "snapshot")
 # Worker processes chosen when a transform is given and loader.num_workers is left unset.
 _AUTO_WORKERS = 2
 
@@ -77,27 +76,6 @@ class EpochInfo:
     first_batch_wait_s: float | None = None
     snapshot: str = ""
     start_batch: int = 0
-
-
-@dataclass
-class _Progress:
-    """Where the running (or resumable) epoch stands: what :meth:`EpochCachedLoader.state_dict` saves."""
-
-    epoch: int
-    position: int
-    batches: int | None  # None: a loaded state whose epoch has not been rebuilt yet
-    shards: tuple[str, ...]
-
-    def state(self, seed: int) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch, "position": self.position, "seed": seed,
-            "shards": list(self.shards), "snapshot": snapshot_id(self.shards),
-        }
-
-
-def snapshot_id(shard_ids: tuple[str, ...] | list[str]) -> str:
-    """The identity of a shard set: a hash of its sorted shard ids."""
-    return hashlib.sha256("\n".join(sorted(shard_ids)).encode()).hexdigest()[:16]
 
 
 class _Epoch:
@@ -176,8 +154,8 @@ class EpochCachedLoader:
         self._waited = self.config.min_samples == 0
         self._epoch = 0
         self._last: EpochInfo | None = None
-        self._progress: _Progress | None = None
-        self._resume: _Progress | None = None
+        self._progress: Progress | None = None
+        self._resume: Progress | None = None
         self._next: tuple[int, Future[_Epoch]] | None = None
         self._verified: set[str] = set()
         self._held: set[str] = set()
@@ -217,7 +195,7 @@ class EpochCachedLoader:
         resume, self._resume = self._resume, None
         current = self._take_prepared(epoch, resume)
         info = self._last = current.info
-        self._progress = _Progress(epoch, info.start_batch, info.batches, current.shards)
+        self._progress = Progress(epoch, info.start_batch, info.batches, current.shards)
         trigger = min(max(info.batches - 1, 0), int(info.batches * self.config.prepare_next_at))
         batches, completed = current.batches(), False
         stream = self._on_device(batches)
@@ -251,9 +229,9 @@ class EpochCachedLoader:
         epoch at position 0 with no shard set (that epoch takes a fresh snapshot).
         """
         pending = self._resume or self._progress
-        if pending is not None and (pending.batches is None or pending.position < pending.batches):
-            return pending.state(self.config.seed)
-        return {"epoch": self._epoch, "position": 0, "seed": self.config.seed, "shards": None, "snapshot": None}
+        if pending is None or not pending.unfinished:
+            pending = Progress(self._epoch, 0, None, ())
+        return pending.state(self.config.seed)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the next ``iter()`` yields exactly the batches ``state`` had not seen.
@@ -261,19 +239,11 @@ class EpochCachedLoader:
         The seed is taken from ``state``. If the saved epoch's shards are no longer in the cache, that
         ``iter()`` raises :class:`LoaderError` rather than train on another set under the same position.
         """
-        missing = [key for key in _STATE_KEYS if key not in state]
-        if missing:
-            raise LoaderError(f"load_state_dict: state lacks {missing}; pass a dict made by EpochCachedLoader.state_dict()")
-        shards = tuple(state["shards"] or ())
-        if state["snapshot"] is not None and snapshot_id(shards) != state["snapshot"]:
-            raise LoaderError(
-                f"load_state_dict: snapshot {state['snapshot']!r} does not match its {len(shards)} shard ids: "
-                "the state was altered; pass it as state_dict() returned it"
-            )
-        self.config = self.config.model_copy(update={"seed": int(state["seed"])})
+        resume, seed = read_state(state)
+        self.config = self.config.model_copy(update={"seed": seed})
         self._drop_prepared()
-        self._epoch, self._progress = int(state["epoch"]), None
-        self._resume = _Progress(self._epoch, int(state["position"]), None, shards) if shards else None
+        self._epoch, self._progress = resume.epoch, None
+        self._resume = resume if resume.shards else None
 
     def close(self) -> None:
         """Release every lease, drop a prepared epoch and stop the background threads."""
@@ -315,7 +285,7 @@ class EpochCachedLoader:
     def _on_device(self, batches: Generator[Any, None, None]) -> Generator[Any, None, None]:
         return batches if self._device is None else to_device(batches, self._device)
 
-    def _take_prepared(self, epoch: int, resume: _Progress | None) -> _Epoch:
+    def _take_prepared(self, epoch: int, resume: Progress | None) -> _Epoch:
         if resume is None and self._next is not None and self._next[0] == epoch:
             future = self._next[1]
             self._next = None
@@ -339,7 +309,7 @@ class EpochCachedLoader:
         if self._next is None and not self._closed.is_set():
             self._next = (epoch, self._prepare_pool.submit(self._prepare, epoch, True, None))
 
-    def _prepare(self, epoch: int, ahead: bool, resume: _Progress | None) -> _Epoch:
+    def _prepare(self, epoch: int, ahead: bool, resume: Progress | None) -> _Epoch:
         lease = self._snapshot(epoch)
         try:
             records = self._agreed_records(lease, resume)
@@ -357,7 +327,7 @@ class EpochCachedLoader:
             self._release(lease.id)
             raise
 
-    def _agreed_records(self, lease: Lease, resume: _Progress | None) -> list[ShardRecord]:
+    def _agreed_records(self, lease: Lease, resume: Progress | None) -> list[ShardRecord]:
         """The epoch's shards, sorted by id: the node's agreed set, or the resumed epoch's exact set."""
         usable = {r.id: r for r in lease.shards if self._verify(r)}
         common = self._peers.common_shards(list(usable))
