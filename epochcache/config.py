@@ -123,7 +123,14 @@ class LoaderConfig(_Section):
     """How EpochCachedLoader builds each epoch."""
 
     batch_size: int = Field(default=64, ge=1)
-    num_workers: int = Field(default=0, ge=0)
+    # None: chosen per loader, 0 (a batch thread) without a transform, 2 worker processes with one.
+    num_workers: int | None = Field(default=None, ge=0)
+    prefetch_batches: int = Field(default=2, ge=1)
+    pin_memory: bool = False
+    device: str | None = Field(default=None, pattern=r"^(cpu|cuda|mps|xpu)(:\d+)?$")
+    epoch_samples: int | None = Field(default=None, ge=1)
+    replacement: bool = False
+    min_samples: int = Field(default=0, ge=0)
     shuffle: bool = True
     drop_last: bool = False
     seed: int = Field(default=0, ge=0)

@@ -8,8 +8,10 @@ batch's freshly allocated array, which torch then wraps without a copy: one copy
 itself. Samples of a batch are grouped by shard (stable within a shard), which keeps that copy
 single; the batch is the same set of samples the sampler chose.
 
-Other columns (strings, variable-length binary, nested lists) come out as pyarrow arrays taken per
-batch, never as Python objects per sample. Which kind a column is follows from its type alone, so it
+Variable-size binary and string columns come out as a list of ``pyarrow.Buffer`` per batch, one per
+sample (None for a null), each a zero-copy slice of the mapped file, for a user decode function (see
+:mod:`epochcache.transform`). Other columns (nested variable lists, structs) come out as pyarrow
+arrays taken per batch. Neither keeps a Python object per sample in the dataset. Which kind a column is follows from its type alone, so it
 is the same in every batch; nulls in a fixed-width column are an error, not a silent change of kind.
 
 Shards are opened lazily in the process that reads them, so pickling the dataset into DataLoader
@@ -31,7 +33,8 @@ from epochcache.errors import LoaderError
 from epochcache.shards import open_shard
 from epochcache.sources.base import KEY_COLUMN
 
-Batch = dict[str, Union[torch.Tensor, pa.Array]]
+Batch = dict[str, torch.Tensor | pa.Array | list[pa.Buffer | None]]
+Column = Union[np.ndarray, pa.Array, "BufferColumn"]
 
 
 class ShardSetDataset(Dataset[Batch]):
@@ -43,7 +46,7 @@ class ShardSetDataset(Dataset[Batch]):
         self._paths = [str(p) for p in paths]
         self._offsets = np.concatenate([[0], np.cumsum(np.asarray(rows, dtype=np.int64))])
         self._columns = list(columns) if columns is not None else None
-        self._views: list[dict[str, np.ndarray | pa.Array]] | None = None
+        self._views: list[dict[str, Column]] | None = None
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
@@ -62,45 +65,46 @@ class ShardSetDataset(Dataset[Batch]):
             raise IndexError(f"index out of range for a dataset of {len(self)} samples")
         shard_of = np.searchsorted(self._offsets, idx, side="right") - 1
         order = np.argsort(shard_of, kind="stable")
-        idx, shard_of = idx[order], shard_of[order]
+        shard_of = shard_of[order]
+        local = idx[order] - self._offsets[shard_of]
         views = self._open()
-        splits = np.flatnonzero(np.diff(shard_of)) + 1
-        starts = np.concatenate([[0], splits]).tolist()
-        ends = np.concatenate([splits, [idx.size]]).tolist()
+        splits = np.flatnonzero(np.diff(shard_of)).tolist()
+        starts, ends = [0, *(i + 1 for i in splits)], [*(i + 1 for i in splits), idx.size]
         template = views[int(shard_of[0])] if idx.size else views[0]
         out: dict[str, Any] = {
             name: np.empty((idx.size, *col.shape[1:]), col.dtype) if isinstance(col, np.ndarray) else []
             for name, col in template.items()
         }
+        # The hot loop of the loader: one gather per shard and column, as few Python steps as possible.
         for start, end in zip(starts, ends):
-            shard = int(shard_of[start])
-            local = idx[start:end] - self._offsets[shard]
-            for name, col in views[shard].items():
+            rows = local[start:end]
+            for name, col in views[shard_of[start]].items():
                 if isinstance(col, np.ndarray):
-                    np.take(col, local, axis=0, out=out[name][start:end])
+                    col.take(rows, axis=0, out=out[name][start:end])
+                elif isinstance(col, BufferColumn):
+                    out[name].extend(col.take(rows))
                 else:
-                    out[name].append(col.take(pa.array(local)))
-        return {
-            name: torch.from_numpy(value) if isinstance(value, np.ndarray) else _concat(value)
-            for name, value in out.items()
-        }
+                    out[name].append(col.take(pa.array(rows)))
+        return {name: _finish(value, template[name]) for name, value in out.items()}
 
-    def _open(self) -> list[dict[str, np.ndarray | pa.Array]]:
+    def _open(self) -> list[dict[str, Column]]:
         if self._views is None:
             self._views = [self._view(open_shard(Path(path)), path) for path in self._paths]
         return self._views
 
-    def _view(self, table: pa.Table, path: str) -> dict[str, np.ndarray | pa.Array]:
+    def _view(self, table: pa.Table, path: str) -> dict[str, Column]:
         names = self._columns or [n for n in table.column_names if n != KEY_COLUMN]
         missing = [n for n in names if n not in table.column_names]
         if missing:
             raise LoaderError(f"loader.columns names {missing}, absent from shard {path}: it has {table.column_names}")
-        views: dict[str, np.ndarray | pa.Array] = {}
+        views: dict[str, Column] = {}
         for name in names:
             column = table.column(name)
             # Shards hold one record batch, so this is the one chunk itself, not a copy.
             array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-            if not _is_fixed_width(array.type):
+            if _is_binary(array.type):
+                views[name] = BufferColumn(array)
+            elif not _is_fixed_width(array.type):
                 views[name] = array
             elif array.null_count:
                 raise LoaderError(
@@ -132,5 +136,37 @@ def _numpy_view(array: pa.Array) -> np.ndarray:
     return array.to_numpy(zero_copy_only=True).reshape(shape)
 
 
-def _concat(chunks: list[pa.Array]) -> pa.Array:
-    return pa.concat_arrays(chunks) if len(chunks) != 1 else chunks[0]
+def _is_binary(arrow_type: pa.DataType) -> bool:
+    """Variable-size binary or string: the columns that become lists of buffers."""
+    return any(
+        check(arrow_type)
+        for check in (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_string, pa.types.is_large_string)
+    )
+
+
+class BufferColumn:
+    """A binary or string column as its offsets (a numpy view) and its one data buffer."""
+
+    def __init__(self, array: pa.Array):
+        _, offsets, data = array.buffers()
+        dtype = np.int64 if pa.types.is_large_binary(array.type) or pa.types.is_large_string(array.type) else np.int32
+        self._offsets = np.frombuffer(offsets, dtype)[array.offset : array.offset + len(array) + 1]
+        self._data = data if data is not None else pa.py_buffer(b"")
+        self._valid = array.is_valid().to_numpy(zero_copy_only=False) if array.null_count else None
+
+    def take(self, rows: np.ndarray) -> list[pa.Buffer | None]:
+        """Zero-copy slices of the data buffer for ``rows``; None where a row is null."""
+        starts, ends = self._offsets[rows].tolist(), self._offsets[rows + 1].tolist()
+        slices: list[pa.Buffer | None] = [self._data.slice(s, e - s) for s, e in zip(starts, ends)]
+        if self._valid is not None:
+            slices = [b if ok else None for b, ok in zip(slices, self._valid[rows].tolist())]
+        return slices
+
+
+def _finish(value: Any, column: Column) -> Any:
+    """The batch value of one column: a tensor, the list of buffers, or one Arrow array."""
+    if isinstance(column, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(column, BufferColumn):
+        return value
+    return pa.concat_arrays(value) if len(value) != 1 else value[0]

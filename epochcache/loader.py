@@ -1,51 +1,70 @@
-"""EpochCachedLoader: one torch DataLoader per epoch over the shards present when it starts.
+"""EpochCachedLoader: one epoch per ``iter()``, over the shards present when it starts.
 
-Each ``iter(loader)`` is one epoch. Its shard set is a ledger snapshot taken together with a lease on
-exactly those shards, so the daemon cannot evict them mid-epoch; a heartbeat thread renews the lease
-and it is released when the epoch ends (a killed trainer's lease simply expires). When
-``loader.prepare_next_at`` of an epoch's batches are consumed, a background thread snapshots the next
-epoch and builds its dataset and DataLoader; its workers are started (or, without workers, its first
-batch built) before the current epoch ends, so the next epoch starts without a stall and sees the
-shards published until then.
+Each epoch's shard set is a ledger snapshot taken together with a lease on exactly those shards, so
+the daemon cannot evict them mid-epoch; a heartbeat thread renews the lease and it is released when
+the epoch ends (a killed trainer's lease simply expires). When ``loader.prepare_next_at`` of an
+epoch's batches are consumed, a background thread snapshots the next epoch, builds its dataset and
+order and starts its batches (the batch thread, or the DataLoader workers, which the main thread
+forks at the next batch boundary), so the next epoch starts without a stall.
 
-Batches are dicts of column name -> tensor (see :class:`ShardSetDataset`); shuffling is seeded by
-``(loader.seed, epoch)``.
+Two modes: without a user transform, batches are built in this process on a background thread
+(Arrow/numpy gathers release the GIL); with one (``transform`` per batch, ``sample_transform`` per
+sample), DataLoader worker processes run it. ``loader.num_workers`` overrides the choice.
+
+Under torch.distributed, ranks sharing a cache dir read one agreed snapshot, each a disjoint part of
+its order, and all ranks of the job get the same number of batches (see :mod:`epochcache.distributed`).
+
+``state_dict()`` / ``load_state_dict()`` resume mid-epoch: the order is a pure function of the
+snapshot, seed and epoch, so a resumed epoch skips the batches already seen without reading them.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import math
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
-import numpy as np
+import torch
 from pydantic import ValidationError
 from torch.utils.data import DataLoader
 
 from epochcache.config import LoaderConfig, format_validation_error, load_config
-from epochcache.dataset import Batch, ShardSetDataset
-from epochcache.errors import CacheEmptyError, ConfigError, ShardCorruptError
+from epochcache.dataset import ShardSetDataset
+from epochcache.device import pin_batch, pinning_available, to_device
+from epochcache.distributed import Peers
+from epochcache.errors import CacheEmptyError, ConfigError, LoaderError, ShardCorruptError
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Lease, Ledger, ShardRecord
-from epochcache.seeding import permutation
+from epochcache.order import EpochBatches, batch_count, epoch_order, rank_part
+from epochcache.prefetch import BatchThread
+from epochcache.resume import Progress, read_state, snapshot_id
 from epochcache.shards import verify_shard
+from epochcache.transform import BatchTransform, SampleTransform, TransformedDataset
+from epochcache.waiting import wait_for_samples
+from epochcache.wire import from_wire, to_wire
 
 log = logging.getLogger(__name__)
 
-_EMPTY_POLL_S = 0.1
+# A snapshot of an empty cache is one small SQLite transaction: polling often keeps the time to the
+# first batch, when the trainer and the daemon start together, close to the daemon's first publish.
+_EMPTY_POLL_S = 0.02
+# Worker processes chosen when a transform is given and loader.num_workers is left unset.
+_AUTO_WORKERS = 2
 
 
 @dataclass(frozen=True)
 class EpochInfo:
-    """What an epoch was built from; ``first_batch_wait_s`` is the time from ``iter()`` to its first
-    batch, None until that batch exists."""
+    """What an epoch was built from. ``snapshot`` identifies its shard set (a hash of the shard ids);
+    ``start_batch`` > 0 for a resumed epoch; ``first_batch_wait_s`` is the time from ``iter()`` to its
+    first batch, None until that batch exists."""
 
     epoch: int
     shards: int
@@ -55,98 +74,103 @@ class EpochInfo:
     skipped_shards: int
     prepared_ahead: bool = False
     first_batch_wait_s: float | None = None
-
-
-class EpochBatches:
-    """Batch sampler of one epoch: index arrays of ``batch_size``, order fixed by (seed, epoch)."""
-
-    def __init__(self, n: int, batch_size: int, shuffle: bool, drop_last: bool, seed: int, epoch: int):
-        self._n, self._batch_size, self._drop_last = n, batch_size, drop_last
-        self._shuffle, self._seed, self._epoch = shuffle, seed, epoch
-
-    def __len__(self) -> int:
-        return self._n // self._batch_size if self._drop_last else math.ceil(self._n / self._batch_size)
-
-    def __iter__(self) -> Iterator[np.ndarray]:
-        order = permutation(self._n, self._seed, self._epoch) if self._shuffle else np.arange(self._n)
-        for start in range(0, len(self) * self._batch_size, self._batch_size):
-            yield order[start : start + self._batch_size]
+    snapshot: str = ""
+    start_batch: int = 0
 
 
 class _Epoch:
-    """A built epoch: its lease and DataLoader; ``start`` creates the iterator.
+    """A built epoch: its lease, shard ids and batch source; ``start`` begins producing batches.
 
     Worker processes must be forked from the main thread: under torch 2.x, workers forked from a
     background thread exit with code 1 at shutdown, which the DataLoader reports as a crash. So the
-    preparing thread does everything up to the DataLoader object, and the main thread calls ``start``
-    (at a batch boundary once the preparation is done); the workers then prefetch on their own. With
-    no workers the preparing thread starts the epoch itself and builds the first batch.
+    preparing thread builds the DataLoader object and the main thread calls ``start`` (at a batch
+    boundary once the preparation is done); the workers then prefetch on their own. Without workers
+    the preparing thread starts the batch thread itself, which builds the first batches at once.
     """
 
-    def __init__(self, info: EpochInfo, lease: Lease, loader: DataLoader[Batch] | None):
-        self.info, self.lease, self._loader = info, lease, loader
-        self._iterator: Iterator[Batch] | None = None
-        self._first: list[Batch] = []
-        if loader is not None and loader.num_workers == 0:
-            self.start()
+    def __init__(
+        self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], loader: DataLoader[Any] | BatchThread | None,
+        pin: bool,
+    ):
+        self.info, self.lease, self.shards, self._loader, self._pin = info, lease, shards, loader, pin
+        self._iterator: Iterator[Any] | None = loader if isinstance(loader, BatchThread) else None
 
     def start(self) -> None:
-        if self._iterator is not None or self._loader is None:
-            return
-        self._iterator = iter(self._loader)
-        if self._loader.num_workers == 0:
-            self._first = [batch for batch in [next(self._iterator, None)] if batch is not None]
+        if self._iterator is None and self._loader is not None:
+            self._iterator = iter(self._loader)
 
-    def batches(self) -> Iterator[Batch]:
+    def batches(self) -> Generator[Any, None, None]:
         self.start()
-        yield from self._first
-        self._first = []
-        if self._iterator is not None:
+        if isinstance(self._loader, DataLoader) and self._iterator is not None:
+            # Stop at the known count instead of asking for one more: the DataLoader would answer
+            # that by joining its workers here, in the gap before the next epoch's first batch.
+            # Worker batches arrive as numpy (see epochcache.wire).
+            for batch in itertools.islice(self._iterator, len(self._loader)):
+                yield pin_batch(from_wire(batch)) if self._pin else from_wire(batch)
+        elif self._iterator is not None:
             yield from self._iterator
 
     def close(self) -> None:
+        if isinstance(self._loader, BatchThread):
+            self._loader.close()
         self._iterator = None  # drops the DataLoader iterator, which shuts its workers down
         self._loader = None
-        self._first = []
-
-
-def _pass_through(batch: Batch) -> Batch:
-    """collate_fn: ``ShardSetDataset.__getitems__`` already returns a collated batch."""
-    return batch
 
 
 class EpochCachedLoader:
     """Iterate it once per epoch; see the module docstring.
 
     ``cache_dir``: the daemon's ``cache.dir``. ``config``: a :class:`LoaderConfig`; keyword
-    ``overrides`` replace its fields (``batch_size=128``). Use as a context manager, or call
-    :meth:`close`, to release leases and stop threads.
+    ``overrides`` replace its fields (``batch_size=128``). ``transform(batch)`` and
+    ``sample_transform(sample)``: user functions run where batches are built (their presence selects
+    worker processes unless ``num_workers`` is set). ``progress``: show the ``min_samples`` wait bar.
+    Under torch.distributed every rank must construct its loader at the same point (a collective).
+    Use as a context manager, or call :meth:`close`, to release leases and stop threads.
     """
 
-    def __init__(self, cache_dir: str | os.PathLike[str], config: LoaderConfig | None = None, **overrides: Any):
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str],
+        config: LoaderConfig | None = None,
+        *,
+        transform: BatchTransform | None = None,
+        sample_transform: SampleTransform | None = None,
+        progress: bool = True,
+        **overrides: Any,
+    ):
         try:
             self.config = LoaderConfig.model_validate({**(config or LoaderConfig()).model_dump(), **overrides})
         except ValidationError as exc:
             raise ConfigError(f"EpochCachedLoader: {format_validation_error(exc)}") from None
-        self._layout = CacheLayout.create(cache_dir)
+        self._transform, self._sample_transform = transform, sample_transform
+        self._layout = CacheLayout.create(Path(cache_dir))
         self._ledger = Ledger(self._layout.ledger)
+        self._peers = Peers.discover(self._layout.root)
         self._owner = f"{socket.gethostname()}:{os.getpid()}"
+        self._workers = self._choose_workers()
+        self._pin = self.config.pin_memory and pinning_available()
+        self._device = torch.device(self.config.device) if self.config.device else None
+        self._progress_bar = progress and self._peers.rank == 0
+        self._waited = self.config.min_samples == 0
         self._epoch = 0
         self._last: EpochInfo | None = None
+        self._progress: Progress | None = None
+        self._resume: Progress | None = None
         self._next: tuple[int, Future[_Epoch]] | None = None
         self._verified: set[str] = set()
         self._held: set[str] = set()
         self._held_lock = threading.Lock()
         self._closed = threading.Event()
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-prepare")
+        self._cleanup_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-cleanup")
         self._heartbeat = threading.Thread(target=self._renew_leases, name="epochcache-lease", daemon=True)
         self._heartbeat.start()
 
     @classmethod
-    def from_config(cls, path: str | os.PathLike[str], overrides: Any = ()) -> EpochCachedLoader:
-        """Build from a config.yaml (``cache.dir`` and the ``loader`` section)."""
+    def from_config(cls, path: str | os.PathLike[str], overrides: Any = (), **kwargs: Any) -> EpochCachedLoader:
+        """Build from a config.yaml (``cache.dir`` and the ``loader`` section); ``kwargs`` as for the class."""
         config = load_config(path, overrides)
-        return cls(config.cache.dir, config.loader)
+        return cls(config.cache.dir, config.loader, **kwargs)
 
     @property
     def epoch(self) -> int:
@@ -154,42 +178,81 @@ class EpochCachedLoader:
         return self._epoch
 
     @property
+    def num_workers(self) -> int:
+        """Worker processes per epoch: 0 is the in-process batch thread."""
+        return self._workers
+
+    @property
     def last_epoch(self) -> EpochInfo | None:
         """Facts about the epoch most recently started."""
         return self._last
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Any]:
         started = time.monotonic()
+        self._wait_for_samples()
         epoch = self._epoch
         self._epoch += 1
-        current = self._take_prepared(epoch)
-        self._last = current.info
-        n = current.info.batches
-        trigger = min(max(n - 1, 0), int(n * self.config.prepare_next_at))
+        resume, self._resume = self._resume, None
+        current = self._take_prepared(epoch, resume)
+        info = self._last = current.info
+        self._progress = Progress(epoch, info.start_batch, info.batches, current.shards)
+        trigger = min(max(info.batches - 1, 0), int(info.batches * self.config.prepare_next_at))
+        batches, completed = current.batches(), False
+        stream = self._on_device(batches)
         try:
-            for i, batch in enumerate(current.batches()):
-                if i == 0:
-                    self._last = replace(current.info, first_batch_wait_s=time.monotonic() - started)
-                if i == trigger:
+            for number, batch in enumerate(stream, start=info.start_batch):
+                if number == info.start_batch:
+                    self._last = replace(info, first_batch_wait_s=time.monotonic() - started)
+                if number >= trigger:
                     self._prepare_ahead(epoch + 1)
-                if i >= trigger:
                     self._start_prepared()
+                self._progress.position = number + 1
                 yield batch
+            self._progress = None
             self._prepare_ahead(epoch + 1)
+            completed = True
         finally:
-            self._finish(current)
+            stream.close()  # lets go of the DataLoader iterator now, so closing the epoch shuts its workers
+            batches.close()
+            if completed:  # off the path to the next epoch's first batch: joining workers takes tens of ms
+                self._cleanup_pool.submit(self._finish, current)
+            else:
+                self._finish(current)
+
+    # -- resume ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where to resume: ``{"epoch", "position", "seed", "shards", "snapshot"}``.
+
+        Inside an epoch ``position`` is the number of its batches already handed out (the one just
+        received included) and ``shards``/``snapshot`` pin its shard set; between epochs it is the next
+        epoch at position 0 with no shard set (that epoch takes a fresh snapshot).
+        """
+        pending = self._resume or self._progress
+        if pending is None or not pending.unfinished:
+            pending = Progress(self._epoch, 0, None, ())
+        return pending.state(self.config.seed)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next ``iter()`` yields exactly the batches ``state`` had not seen.
+
+        The seed is taken from ``state``. If the saved epoch's shards are no longer in the cache, that
+        ``iter()`` raises :class:`LoaderError` rather than train on another set under the same position.
+        """
+        resume, seed = read_state(state)
+        self.config = self.config.model_copy(update={"seed": seed})
+        self._drop_prepared()
+        self._epoch, self._progress = resume.epoch, None
+        self._resume = resume if resume.shards else None
 
     def close(self) -> None:
         """Release every lease, drop a prepared epoch and stop the background threads."""
         if self._closed.is_set():
             return
         self._closed.set()
-        if self._next is not None:
-            _, future = self._next
-            self._next = None
-            if not future.cancel() and future.exception() is None:
-                self._finish(future.result())
+        self._drop_prepared()
         self._prepare_pool.shutdown(wait=True)
+        self._cleanup_pool.shutdown(wait=True)
         self._heartbeat.join()
         with self._held_lock:
             for lease_id in self._held:
@@ -205,12 +268,37 @@ class EpochCachedLoader:
 
     # -- building epochs ------------------------------------------------------------------------
 
-    def _take_prepared(self, epoch: int) -> _Epoch:
-        if self._next is not None and self._next[0] == epoch:
+    def _choose_workers(self) -> int:
+        if self.config.num_workers is not None:
+            return self.config.num_workers
+        wants_processes = self._transform is not None or self._sample_transform is not None
+        return min(_AUTO_WORKERS, os.cpu_count() or 1) if wants_processes else 0
+
+    def _wait_for_samples(self) -> None:
+        if not self._waited:
+            wait_for_samples(
+                self._layout, self._ledger, self.config.min_samples, self.config.wait_timeout_s,
+                self._closed, self._progress_bar,
+            )
+            self._waited = True
+
+    def _on_device(self, batches: Generator[Any, None, None]) -> Generator[Any, None, None]:
+        return batches if self._device is None else to_device(batches, self._device)
+
+    def _take_prepared(self, epoch: int, resume: Progress | None) -> _Epoch:
+        if resume is None and self._next is not None and self._next[0] == epoch:
             future = self._next[1]
             self._next = None
             return future.result()
-        return self._prepare(epoch, ahead=False)
+        self._drop_prepared()
+        return self._prepare(epoch, ahead=False, resume=resume)
+
+    def _drop_prepared(self) -> None:
+        if self._next is not None:
+            _, future = self._next
+            self._next = None
+            if not future.cancel() and future.exception() is None:
+                self._finish(future.result())
 
     def _start_prepared(self) -> None:
         """Start the prepared next epoch's workers, from this (the main) thread, once it is built."""
@@ -219,30 +307,61 @@ class EpochCachedLoader:
 
     def _prepare_ahead(self, epoch: int) -> None:
         if self._next is None and not self._closed.is_set():
-            self._next = (epoch, self._prepare_pool.submit(self._prepare, epoch, True))
+            self._next = (epoch, self._prepare_pool.submit(self._prepare, epoch, True, None))
 
-    def _prepare(self, epoch: int, ahead: bool) -> _Epoch:
+    def _prepare(self, epoch: int, ahead: bool, resume: Progress | None) -> _Epoch:
         lease = self._snapshot(epoch)
         try:
-            usable = [r for r in lease.shards if self._verify(r)]
+            records = self._agreed_records(lease, resume)
             dataset = ShardSetDataset(
-                [self._layout.shards / r.filename for r in usable], [r.rows for r in usable], self.config.columns
+                [self._layout.shards / r.filename for r in records], [r.rows for r in records], self.config.columns
             )
-            cfg = self.config
-            batches = EpochBatches(len(dataset), cfg.batch_size, cfg.shuffle, cfg.drop_last, cfg.seed, epoch)
+            sampler = self._sampler(len(dataset), epoch, resume.position if resume else 0)
             info = EpochInfo(
-                epoch=epoch, shards=len(usable), samples=len(dataset), bytes=sum(r.nbytes for r in usable),
-                batches=len(batches), skipped_shards=len(lease.shards) - len(usable), prepared_ahead=ahead,
+                epoch=epoch, shards=len(records), samples=len(dataset), bytes=sum(r.nbytes for r in records),
+                batches=sampler.count, skipped_shards=len(lease.shards) - len(records), prepared_ahead=ahead,
+                snapshot=snapshot_id([r.id for r in records]), start_batch=min(sampler.start, sampler.count),
             )
-            loader = None
-            if len(batches):
-                loader = DataLoader(
-                    dataset, batch_sampler=batches, num_workers=cfg.num_workers, collate_fn=_pass_through
-                )
-            return _Epoch(info, lease, loader)
+            return _Epoch(info, lease, tuple(r.id for r in records), self._batch_source(dataset, sampler), self._pin)
         except BaseException:
             self._release(lease.id)
             raise
+
+    def _agreed_records(self, lease: Lease, resume: Progress | None) -> list[ShardRecord]:
+        """The epoch's shards, sorted by id: the node's agreed set, or the resumed epoch's exact set."""
+        usable = {r.id: r for r in lease.shards if self._verify(r)}
+        common = self._peers.common_shards(list(usable))
+        if resume is None:
+            return [usable[i] for i in common]
+        gone = sorted(set(resume.shards) - set(common))
+        if gone:
+            raise LoaderError(
+                f"cannot resume epoch {resume.epoch} at batch {resume.position}: {len(gone)} of its "
+                f"{len(resume.shards)} shards are no longer in {self._layout.root} (evicted or corrupt, e.g. "
+                f"{gone[0]}); resume from the next epoch instead: load_state_dict({{**state, 'epoch': "
+                f"{resume.epoch + 1}, 'position': 0, 'shards': None, 'snapshot': None}})"
+            )
+        return [usable[i] for i in sorted(resume.shards)]
+
+    def _sampler(self, samples: int, epoch: int, start: int) -> EpochBatches:
+        cfg, peers = self.config, self._peers
+        order = epoch_order(samples, cfg.seed, epoch, cfg.shuffle, cfg.epoch_samples, cfg.replacement)
+        part = rank_part(order, peers.local_rank, peers.local_world)
+        count = peers.fewest_batches(batch_count(len(part), cfg.batch_size, cfg.drop_last))
+        return EpochBatches(part, cfg.batch_size, count, start)
+
+    def _batch_source(self, dataset: ShardSetDataset, sampler: EpochBatches) -> DataLoader[Any] | BatchThread | None:
+        if not len(sampler):
+            return None
+        data = TransformedDataset(dataset, self._transform, self._sample_transform)
+        if self._workers == 0:
+            build = (lambda idx: pin_batch(data.__getitems__(idx))) if self._pin else data.__getitems__
+            return BatchThread(build, sampler, self.config.prefetch_batches)
+        return DataLoader(
+            # index arrays rather than lists: __getitems__ takes them whole
+            data, batch_sampler=sampler, num_workers=self._workers, collate_fn=to_wire,  # type: ignore[arg-type]
+            prefetch_factor=self.config.prefetch_batches,
+        )
 
     def _snapshot(self, epoch: int) -> Lease:
         """A lease on a non-empty shard set, waiting up to ``wait_timeout_s`` for the first shard."""

@@ -49,7 +49,7 @@ def test_load_config_reads_yaml_file(tmp_path: Path) -> None:
     assert config.loader.batch_size == 16
     assert config.loader.columns == ["id"]
     # Untouched keys keep their defaults.
-    assert config.loader.num_workers == 0
+    assert config.loader.num_workers is None  # auto: chosen per loader (issue 5)
     assert config.cache.eviction == "fifo"
 
 

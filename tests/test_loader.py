@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DaemonThread, wait_for, write_parquet_dataset
 
-from conftest import wait_for, write_parquet_dataset
 from epochcache import CacheEmptyError, ConfigError, EpochCachedLoader, Ledger, SyncDaemon
 from epochcache.config import Config
 from epochcache.layout import CacheLayout
+from epochcache.shards import open_shard
+from epochcache.waiting import daemon_running
 
 ROWS = 6 * 4 * 32  # files x groups x rows
 
@@ -134,3 +136,108 @@ def test_empty_cache_times_out_with_a_clear_error(tmp_path: Path) -> None:
 def test_bad_loader_argument_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="batch_size"):
         EpochCachedLoader(tmp_path, batch_size=0)
+
+
+def test_epoch_samples_fixes_the_epoch_length_with_or_without_replacement(synced: Config) -> None:
+    with EpochCachedLoader(synced.cache.dir, batch_size=100, epoch_samples=250) as loader:
+        ids = _epoch_ids(loader)
+        assert len(ids) == 250 and len(set(ids)) == 250, "fewer than cached: no repeats"
+    with EpochCachedLoader(synced.cache.dir, batch_size=100, epoch_samples=2 * ROWS + 10) as loader:
+        ids = _epoch_ids(loader)
+        assert len(ids) == 2 * ROWS + 10 and set(ids) == set(range(ROWS)), "more than cached: whole rounds"
+        assert loader.last_epoch.batches == -(-(2 * ROWS + 10) // 100)
+    with EpochCachedLoader(synced.cache.dir, batch_size=100, epoch_samples=300, replacement=True) as loader:
+        ids = _epoch_ids(loader)
+        assert len(ids) == 300 and len(set(ids)) < 300 and set(ids) <= set(range(ROWS))
+
+
+def test_mode_is_chosen_by_transform_and_overridable(synced: Config) -> None:
+    def double(batch: dict) -> dict:
+        return {**batch, "id": batch["id"] * 2}
+
+    with EpochCachedLoader(synced.cache.dir) as plain:
+        assert plain.num_workers == 0
+    with EpochCachedLoader(synced.cache.dir, batch_size=64, transform=double) as workers:
+        assert workers.num_workers == 2
+        assert sorted(_epoch_ids(workers)) == [2 * i for i in range(ROWS)]
+    with EpochCachedLoader(synced.cache.dir, batch_size=64, transform=double, num_workers=0) as threaded:
+        assert threaded.num_workers == 0
+        assert sorted(_epoch_ids(threaded)) == [2 * i for i in range(ROWS)]
+
+
+def test_sample_transform_sees_one_sample_and_results_are_collated(synced: Config) -> None:
+    def label(sample: dict) -> dict:
+        assert sample["image"].shape == (3, 16, 16)
+        return {"id": sample["id"], "mean": sample["image"].float().mean()}
+
+    with EpochCachedLoader(synced.cache.dir, batch_size=64, sample_transform=label) as loader:
+        batches = list(loader)
+    assert all(set(b) == {"id", "mean"} and b["mean"].shape == b["id"].shape for b in batches)
+    assert all(torch.equal(b["mean"], (b["id"] % 251).float()) for b in batches)
+
+
+def test_device_cpu_and_pin_memory_without_cuda_leave_batches_on_the_cpu(synced: Config) -> None:
+    with EpochCachedLoader(synced.cache.dir, batch_size=64, device="cpu", pin_memory=True) as loader:
+        batches = list(loader)
+    assert all(b["image"].device.type == "cpu" for b in batches)
+    assert sorted(int(i) for b in batches for i in b["id"]) == list(range(ROWS))
+
+
+def test_bad_device_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="device"):
+        EpochCachedLoader(tmp_path, device="gpu0")
+
+
+def test_min_samples_without_a_daemon_fails_with_a_clear_message(tmp_path: Path) -> None:
+    with EpochCachedLoader(tmp_path / "c", min_samples=10, wait_timeout_s=0.3, progress=False) as loader:
+        with pytest.raises(CacheEmptyError, match="fewer than loader.min_samples=10, and no sync daemon runs"):
+            next(iter(loader))
+
+
+def test_min_samples_waits_for_a_running_daemon(remote: str, make_config: Callable[..., Config]) -> None:
+    config = make_config(remote, **{"cache.max_bytes": "20MB", "cache.shard_bytes": "64KiB",
+                                    "sampler.max_bytes_per_s": 400_000, "sampler.concurrency": 1})
+    daemon = DaemonThread(SyncDaemon(config, progress=False))
+    layout = CacheLayout(Path(config.cache.dir))
+    try:
+        wait_for(lambda: daemon_running(layout), timeout=30)
+        with EpochCachedLoader(config.cache.dir, batch_size=64, min_samples=300, progress=False) as loader:
+            next(iter(loader))
+            assert loader.last_epoch.samples >= 300
+        with EpochCachedLoader(config.cache.dir, min_samples=10**6, wait_timeout_s=0.3, progress=False) as loader:
+            with pytest.raises(CacheEmptyError, match="its sync daemon is running"):
+                next(iter(loader))
+    finally:
+        daemon.stop()
+    assert not daemon_running(layout)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the side-stream copy path)")
+def test_cuda_device_batches_arrive_on_the_gpu_intact(synced: Config) -> None:
+    with EpochCachedLoader(synced.cache.dir, batch_size=64, device="cuda", pin_memory=True) as loader:
+        batches = list(loader)
+    assert all(b["image"].is_cuda and b["id"].is_cuda for b in batches)
+    assert sorted(int(i) for b in batches for i in b["id"].cpu()) == list(range(ROWS))
+    assert all(torch.equal(b["image"][:, 0, 0, 0].cpu(), (b["id"].cpu() % 251).to(torch.uint8)) for b in batches)
+
+
+def test_a_shuffled_batch_draws_from_many_shards(synced: Config) -> None:
+    layout = CacheLayout(Path(synced.cache.dir))
+    ledger = Ledger(layout.ledger)
+    shard_of = {
+        int(i): record.id for record in ledger.shards() for i in open_shard(layout.shards / record.filename)["id"].to_numpy()
+    }
+    ledger.close()
+    with EpochCachedLoader(synced.cache.dir, batch_size=64) as loader:
+        first = next(iter(loader))
+    touched = {shard_of[int(i)] for i in first["id"]}
+    assert len(set(shard_of.values())) > 2 and len(touched) > 2
+
+
+def test_an_error_while_building_a_batch_reaches_the_training_loop(synced: Config) -> None:
+    def broken(batch: dict) -> dict:
+        raise ValueError("bad sample")
+
+    with EpochCachedLoader(synced.cache.dir, batch_size=64, transform=broken, num_workers=0) as loader:
+        with pytest.raises(ValueError, match="bad sample"):
+            next(iter(loader))

@@ -1,0 +1,62 @@
+"""Batches to the accelerator ahead of use: pinned host memory and a side-stream copy.
+
+In: an iterator of batches (dicts of tensors and other values); out: the same batches with every
+tensor on ``device``. On CUDA the copy of batch i+1 is issued on a side stream while batch i is in
+use, and the consumer's stream waits for it (``wait_stream``) before the batch is handed out;
+``record_stream`` keeps the caching allocator from reusing a batch's memory while the consumer's
+stream may still read it. On the CPU both are no-ops and batches pass through untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Iterator
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def pin_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """Tensors of ``batch`` in page-locked memory (what makes a host->GPU copy asynchronous)."""
+    return {name: v.pin_memory() if isinstance(v, torch.Tensor) else v for name, v in batch.items()}
+
+
+def pinning_available() -> bool:
+    """Page-locked memory needs an accelerator; without one ``pin_memory`` is skipped with a warning."""
+    if torch.cuda.is_available():
+        return True
+    log.warning("loader.pin_memory is set but no CUDA device is available: batches are not pinned")
+    return False
+
+
+def to_device(batches: Iterator[dict[str, Any]], device: torch.device) -> Generator[dict[str, Any], None, None]:
+    """``batches`` with their tensors moved to ``device``, one batch copied ahead on CUDA."""
+    if device.type != "cuda":
+        for batch in batches:
+            yield _move(batch, device)
+        return
+    stream = torch.cuda.Stream(device)
+    ahead = _copy_on(stream, next(batches, None), device)
+    while ahead is not None:
+        current = torch.cuda.current_stream(device)
+        current.wait_stream(stream)
+        for value in ahead.values():
+            if isinstance(value, torch.Tensor):
+                value.record_stream(current)
+        ready, ahead = ahead, _copy_on(stream, next(batches, None), device)
+        yield ready
+
+
+def _copy_on(stream: Any, batch: dict[str, Any] | None, device: torch.device) -> dict[str, Any] | None:
+    if batch is None:
+        return None
+    with torch.cuda.stream(stream):
+        return _move(batch, device)
+
+
+def _move(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {
+        name: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for name, v in batch.items()
+    }
