@@ -45,6 +45,7 @@ from epochcache.layout import CacheLayout
 from epochcache.ledger import Lease, Ledger, ShardRecord
 from epochcache.order import EpochBatches, batch_count, epoch_order, rank_part
 from epochcache.prefetch import BatchThread
+from epochcache.quarantine import quarantine_shard
 from epochcache.resume import Progress, read_state, snapshot_id
 from epochcache.shards import verify_shard
 from epochcache.transform import BatchTransform, SampleTransform, TransformedDataset
@@ -380,13 +381,12 @@ class EpochCachedLoader:
                 )
 
     def _verify(self, record: ShardRecord) -> bool:
-        """Check a shard's checksum the first time this loader uses it; False (and a warning) if bad."""
+        """Check a shard's checksum the first time this loader uses it; False if bad (it is quarantined)."""
         if record.id in self._verified:
             return True
         try:
             verify_shard(self._layout.shards / record.filename, record.checksum)
         except (ShardCorruptError, FileNotFoundError) as exc:
-            from epochcache.quarantine import quarantine_shard  # issue 4: one function quarantines for all
             quarantine_shard(self._layout, self._ledger, record, f"skipped by an epoch: {exc}")
             return False
         self._verified.add(record.id)
