@@ -76,11 +76,13 @@ class ShardSetDataset(Dataset[Batch]):
             for name, col in template.items()
         }
         # The hot loop of the loader: one gather per shard and column, as few Python steps as possible.
+        # mode="clip" (indices are checked above): under the default mode="raise" numpy gathers into a
+        # temporary and copies that into ``out``, which costs a second copy of every batch.
         for start, end in zip(starts, ends):
             rows = local[start:end]
             for name, col in views[shard_of[start]].items():
                 if isinstance(col, np.ndarray):
-                    col.take(rows, axis=0, out=out[name][start:end])
+                    col.take(rows, axis=0, out=out[name][start:end], mode="clip")
                 elif isinstance(col, BufferColumn):
                     out[name].extend(col.take(rows))
                 else:
