@@ -112,6 +112,38 @@ class SamplerConfig(_Section):
     max_bytes_per_s: ByteSize | None = Field(
         default=None, gt=0, description="cap on the daemon's intake (decoded Arrow bytes/s); null = none"
     )
+    mix_units: int = Field(default=8, ge=1, le=1024, description="objects whose units are interleaved")
+    node_rank: int | None = Field(default=None, ge=0, description="this node's rank; null = GROUP_RANK or 0")
+    num_nodes: int | None = Field(
+        default=None, ge=1, description="nodes splitting the order; null = WORLD_SIZE/LOCAL_WORLD_SIZE or 1"
+    )
+    max_attempts: int = Field(default=6, ge=1, le=100, description="attempts per remote read")
+    backoff_s: float = Field(default=0.2, gt=0.0, description="first backoff ceiling; doubles per retry")
+    backoff_max_s: float = Field(default=20.0, gt=0.0, description="largest backoff ceiling")
+    request_timeout_s: float = Field(default=60.0, gt=0.0, description="connect/read timeout of one request")
+
+    @model_validator(mode="after")
+    def _rank_below_nodes(self) -> SamplerConfig:
+        if self.node_rank is not None and self.num_nodes is not None and self.node_rank >= self.num_nodes:
+            raise ValueError(
+                f"node_rank={self.node_rank} must be below num_nodes={self.num_nodes}: ranks run 0..num_nodes-1"
+            )
+        return self
+
+    def partition(self, env: Mapping[str, str] | None = None) -> tuple[int, int]:
+        """``(node_rank, num_nodes)``: the configured values, else those torchrun sets in ``env``
+        (``GROUP_RANK``; ``WORLD_SIZE // LOCAL_WORLD_SIZE``), else ``(0, 1)``."""
+        env = os.environ if env is None else env
+        rank = self.node_rank if self.node_rank is not None else int(env.get("GROUP_RANK", 0))
+        nodes = self.num_nodes
+        if nodes is None:
+            nodes = int(env.get("WORLD_SIZE", 1)) // max(1, int(env.get("LOCAL_WORLD_SIZE", 1))) or 1
+        if not 0 <= rank < nodes:
+            raise ConfigError(
+                f"sampler.node_rank={rank} (from config or GROUP_RANK) is not below sampler.num_nodes={nodes}: "
+                "set both, or run under torchrun"
+            )
+        return rank, nodes
 
 
 class LoaderConfig(_Section):

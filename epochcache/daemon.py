@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,11 +32,12 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from epochcache.config import Config
-from epochcache.errors import DaemonRunningError
+from epochcache.errors import DaemonRunningError, FetchFailedError, ObjectMissingError
 from epochcache.evict import policy_named
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Ledger, ShardRecord
 from epochcache.repair import reconcile
+from epochcache.retry import Retrier, describe
 from epochcache.sampler import Cursor, Sampler
 from epochcache.publisher import Publisher
 from epochcache.sources import RemoteObject, Source, Unit, open_source
@@ -63,6 +64,7 @@ class SyncReport:
     evicted: int = 0
     units_fetched: int = 0
     units_published: int = 0
+    units_skipped: int = 0
 
 
 @dataclass
@@ -73,6 +75,10 @@ class _Building:
     tables: list[pa.Table] = field(default_factory=list)
     units: list[str] = field(default_factory=list)
     nbytes: int = 0
+
+    def reset(self, cursor: Cursor) -> None:
+        """Start the next shard from ``cursor`` (the previous one was published)."""
+        self.cursor, self.tables, self.units, self.nbytes = cursor, [], [], 0
 
     def add(self, unit: Unit, table: pa.Table) -> None:
         self.tables.append(table)
@@ -132,7 +138,8 @@ class SyncDaemon:
             ledger = Ledger(self.layout.ledger)
             try:
                 reconcile(self.layout, ledger)
-                return _Run(self, ledger, open_source(self.config.source), stop, once).execute()
+                source = open_source(self.config.source, self.config.sampler.request_timeout_s)
+                return _Run(self, ledger, source, stop, once).execute()
             finally:
                 ledger.close()
 
@@ -147,6 +154,11 @@ class _Run:
         self.report = SyncReport()
         self.cached = {unit for record in ledger.shards() for unit in record.units}
         self.throttle = _Throttle(self.cfg.sampler.max_bytes_per_s, stop)
+        self.rank, self.nodes = self.cfg.sampler.partition()
+        sampler = self.cfg.sampler
+        self.retrier = Retrier(sampler.max_attempts, sampler.backoff_s, sampler.backoff_max_s, ledger.incr, stop)
+        self.pass_ = 0
+        self.objects_total: int | None = None
         self.publisher = Publisher(daemon.layout, ledger, self.cfg.cache, stop, evict=not once)
         # disable=None: a bar on a terminal, none when output goes to a file or pipe.
         show = daemon._progress
@@ -179,25 +191,94 @@ class _Run:
 
     def _pass(self, pool: ThreadPoolExecutor, cursor: Cursor) -> StopReason | None:
         """Consume one pass from ``cursor``; None when it completed, else why it stopped early."""
-        sampler = Sampler(self.source, self._objects(cursor.pass_), self.cfg.sampler.seed)
+        self.pass_ = cursor.pass_
+        sampler = Sampler(lambda objects: self._units_of(pool, objects), self._objects(cursor.pass_),
+                          self.cfg.sampler.seed,
+                          mix=self.cfg.sampler.mix_units, node_rank=self.rank, num_nodes=self.nodes)
+        self.objects_total = len(sampler.node_objects(cursor.pass_))
         building = _Building(cursor)
-        for unit, after, table in self._fetched(pool, sampler.walk(cursor)):
-            if table is not None:
-                if building.tables and building.nbytes + table.nbytes > self.cfg.cache.shard_bytes:
-                    if not self._publish(building):
-                        return self._stop_reason()
-                    building = _Building(building.cursor)
-                building.add(unit, table)
+        walk = sampler.walk(cursor)
+        for unit, after, table in self._fetched(pool, walk):
+            if table is not None and not self._add(building, unit, table):
+                return self._stop_reason()
             building.cursor = after
             if building.nbytes >= self.cfg.cache.shard_bytes:
                 if not self._publish(building):
                     return self._stop_reason()
-                building = _Building(after)
+                building.reset(after)
         if self.stop.is_set():
             return StopReason.STOPPED
+        for unit, table in self._retry_skipped(cursor.pass_):
+            if not self._add(building, unit, table):
+                return self._stop_reason()
         if building.tables and not self._publish(building):
             return self._stop_reason()
         return None
+
+    def _add(self, building: _Building, unit: Unit, table: pa.Table) -> bool:
+        """Add a unit's rows, first publishing what is built if they would overflow the shard."""
+        if building.tables and building.nbytes + table.nbytes > self.cfg.cache.shard_bytes:
+            if not self._publish(building):
+                return False
+            building.reset(building.cursor)
+        building.add(unit, table)
+        return True
+
+    def _units_of(self, pool: ThreadPoolExecutor, objects: Sequence[RemoteObject]) -> list[Sequence[Unit]]:
+        """The units of ``objects``, their metadata read concurrently. An object whose metadata keeps
+        failing (or is gone) counts as empty for this pass and is recorded, so a restart walks the
+        same order; it is retried at the end of the pass."""
+        skipped = self.ledger.skipped()
+        futures = [
+            None if f"{obj.path}#*" in skipped else pool.submit(self.retrier.call, self.source.units, obj,
+                                                                    what=f"metadata of {obj.path}")
+            for obj in objects
+        ]
+        return [self._units_or_skip(obj, future) for obj, future in zip(objects, futures)]
+
+    def _units_or_skip(self, obj: RemoteObject, future: Future[Sequence[Unit]] | None) -> Sequence[Unit]:
+        if future is None:
+            return []
+        try:
+            return future.result()
+        except (FetchFailedError, ObjectMissingError) as exc:
+            self._skip(f"{obj.path}#*", obj, None, exc)
+            return []
+
+    def _skip(self, key: str, obj: RemoteObject, index: int | None, exc: Exception) -> None:
+        """Record a unit (or a whole object: ``index`` None) that failed, for the retry at pass end."""
+        log.warning("skipping %s for now: %s", key, describe(exc))
+        self.report.units_skipped += 1
+        self.ledger.incr("units_skipped")
+        self.ledger.set_skipped(key, {"path": obj.path, "size": obj.size, "index": index, "pass": self.pass_,
+                                      "error": describe(exc)})
+
+    def _retry_skipped(self, pass_: int) -> Iterator[tuple[Unit, pa.Table]]:
+        """Yield the rows of this pass's skipped units that read now; forget those whose object is gone;
+        a unit failing again stays recorded and is counted, and the pass moves on without it."""
+        for key, info in self.ledger.skipped().items():
+            if info.get("pass") != pass_ or info.get("final") or self.stop.is_set():
+                continue
+            obj = RemoteObject(info["path"], info["size"])
+            try:
+                units = self.retrier.call(self.source.units, obj, what=f"metadata of {obj.path}")
+                wanted = units if info["index"] is None else [units[info["index"]]]
+                for unit in wanted:
+                    if unit.key not in self.cached:
+                        yield unit, self._read(unit)
+            except ObjectMissingError as exc:
+                log.warning("dropping %s: %s", key, describe(exc))
+                self.ledger.incr("objects_missing")
+            except FetchFailedError as exc:
+                log.warning("%s failed again at the end of pass %d: %s", key, pass_, describe(exc))
+                self.ledger.set_skipped(key, {**info, "final": True, "error": describe(exc)})
+                continue
+            self.ledger.drop_skipped(key)
+
+    def _read(self, unit: Unit) -> pa.Table:
+        table = self.retrier.call(self.source.read, unit, what=f"{unit.key}")
+        self._count_fetch(unit, table)
+        return table
 
     def _stop_reason(self) -> StopReason:
         return StopReason.STOPPED if self.stop.is_set() else StopReason.BUDGET_FULL
@@ -206,7 +287,8 @@ class _Run:
         """The cursor to go on from: the ledger's, unless it was left by another remote order."""
         listing = self.ledger.listing()
         if listing and listing.get("order") != self._order():
-            log.warning("source.url, source.columns or sampler.seed changed since the last run: "
+            log.warning("source.url, source.columns, sampler.seed, sampler.mix_units or the node partition "
+                        "changed since the last run: "
                         "starting a new order from its first pass; cached shards rotate out as usual")
             self.ledger.set_listing({})
             self.ledger.set_cursor(Cursor().to_dict())
@@ -215,7 +297,9 @@ class _Run:
 
     def _order(self) -> list[object]:
         """What fixes the remote order; a cursor is meaningless under another one."""
-        return [self.cfg.source.url, self.cfg.source.columns, self.cfg.sampler.seed]
+        sampler = self.cfg.sampler
+        return ["v2", self.cfg.source.url, self.cfg.source.columns, sampler.seed, sampler.mix_units,
+                self.rank, self.nodes]
 
     def _objects(self, pass_: int) -> list[RemoteObject]:
         """The listing this pass walks: taken once per pass and kept in the ledger across restarts."""
@@ -237,7 +321,8 @@ class _Run:
         limit = 2 * self.cfg.sampler.concurrency
         try:
             for unit, after in walk:
-                future = None if unit.key in self.cached else pool.submit(self.source.read, unit)
+                future = None if unit.key in self.cached else pool.submit(
+                    self.retrier.call, self.source.read, unit, what=unit.key)
                 window.append((unit, after, future))
                 while len(window) >= limit or (window and window[0][2] is None):
                     yield self._complete(*window.popleft())
@@ -253,20 +338,36 @@ class _Run:
     def _complete(
         self, unit: Unit, after: Cursor, future: Future[pa.Table] | None
     ) -> tuple[Unit, Cursor, pa.Table | None]:
+        """The unit's table; None if it is cached, or if it failed and was recorded as skipped."""
         if future is None:
             return unit, after, None
-        table = future.result()
+        try:
+            table = future.result()
+        except (FetchFailedError, ObjectMissingError) as exc:
+            self._skip(unit.key, unit.obj, unit.index, exc)
+            return unit, after, None
+        self._count_fetch(unit, table)
+        return unit, after, table
+
+    def _count_fetch(self, unit: Unit, table: pa.Table) -> None:
         self.report.units_fetched += 1
         if self.on_fetch is not None:
             self.on_fetch(unit)
         self.bar.update(table.nbytes)
         self.throttle.consume(table.nbytes)
-        return unit, after, table
+
+    def _progress(self, cursor: Cursor) -> dict[str, int | None]:
+        """What ``epochcache status`` shows as sampler progress (this node's share of the pass)."""
+        total = self.objects_total
+        done = cursor.group * self.cfg.sampler.mix_units
+        return {"pass": cursor.pass_, "objects_done": done if total is None else min(done, total),
+                "objects_total": total, "node_rank": self.rank, "num_nodes": self.nodes,
+                "units_skipped": self.report.units_skipped}
 
     def _publish(self, building: _Building) -> bool:
         """Write ``building`` as one shard and publish it; False if stopped or the budget is full."""
-        published = self.publisher.publish(pa.concat_tables(building.tables), building.units,
-                                           building.cursor.to_dict())
+        cursor = {**building.cursor.to_dict(), "progress": self._progress(building.cursor)}
+        published = self.publisher.publish(pa.concat_tables(building.tables), building.units, cursor)
         if published is None:
             return False
         record = published.record

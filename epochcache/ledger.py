@@ -249,6 +249,23 @@ class Ledger:
     def set_listing(self, listing: dict[str, Any]) -> None:
         self._cache.set(_LISTING, listing, retry=True)
 
+    # Units the daemon skipped after their reads kept failing: ``"skipped:<unit key>"`` -> a dict
+    # ``{"path", "size", "index", "pass", "error"}`` (``index`` None: the object's metadata failed).
+
+    def skipped(self) -> dict[str, dict[str, Any]]:
+        """Every recorded skipped unit, by unit key."""
+        return {
+            key[len("skipped:") :]: self._cache.get(key)
+            for key in self._cache.iterkeys()
+            if isinstance(key, str) and key.startswith("skipped:")
+        }
+
+    def set_skipped(self, unit_key: str, info: dict[str, Any]) -> None:
+        self._cache.set("skipped:" + unit_key, dict(info), retry=True)
+
+    def drop_skipped(self, unit_key: str) -> None:
+        self._cache.delete("skipped:" + unit_key, retry=True)
+
     # -- counters -------------------------------------------------------------------------------
 
     def incr(self, name: str, delta: int = 1) -> None:

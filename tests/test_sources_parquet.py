@@ -187,8 +187,8 @@ def test_column_selection_fetches_only_that_column(
     for source in (both, only_id):
         obj = source.list_objects()[0]
         unit = source.units(obj)[0]  # footer read before spying
-        spy = RangeSpy(source._fs.cat_file)
-        monkeypatch.setattr(source._fs, "cat_file", spy)
+        spy = RangeSpy(source._remote.fs.cat_file)
+        monkeypatch.setattr(source._remote.fs, "cat_file", spy)
         source.read(unit)
         monkeypatch.undo()
         assert len(spy.calls) == 1  # one ranged GET per unit
@@ -277,8 +277,8 @@ def test_read_fetches_a_small_part_of_a_large_file(
     source = ParquetSource(f"s3://{bucket}/big", storage_options=s3_options)
     (obj,) = source.list_objects()
 
-    spy = RangeSpy(source._fs.cat_file)
-    monkeypatch.setattr(source._fs, "cat_file", spy)
+    spy = RangeSpy(source._remote.fs.cat_file)
+    monkeypatch.setattr(source._remote.fs, "cat_file", spy)
     units = source.units(obj)
     assert len(units) >= 4
     back = source.read(units[5])
@@ -294,8 +294,8 @@ def test_footer_is_read_once_per_object(
     s3_source: ParquetSource, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     obj = s3_source.list_objects()[0]
-    spy = RangeSpy(s3_source._fs.cat_file)
-    monkeypatch.setattr(s3_source._fs, "cat_file", spy)
+    spy = RangeSpy(s3_source._remote.fs.cat_file)
+    monkeypatch.setattr(s3_source._remote.fs, "cat_file", spy)
     units = s3_source.units(obj)
     s3_source.units(obj)
     for unit in units:
@@ -307,7 +307,7 @@ def test_missing_object_is_source_error(tmp_path: Path, local_root: str) -> None
     source = ParquetSource(local_root)
     obj = source.list_objects()[0]
     Path(obj.path).unlink()
-    with pytest.raises(SourceError, match="cannot read"):
+    with pytest.raises(SourceError, match="is gone"):
         source.units(obj)
 
 

@@ -12,7 +12,6 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -21,6 +20,7 @@ from fsspec.parquet import AlreadyBufferedFile
 
 from epochcache.errors import SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
+from epochcache.sources.remote import RemoteFiles
 
 _SUFFIXES = (".parquet", ".parq")
 # pyarrow reads this much of the tail in its first footer read; serving it from one GET keeps
@@ -42,28 +42,14 @@ class ParquetSource:
             raise SourceError("source.columns is an empty list: name at least one column, or null for all")
         self.url = url
         self.columns = list(columns) if columns is not None else None
-        self._fs, self._root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self._remote = RemoteFiles(url, storage_options)
         self._metadata = functools.lru_cache(maxsize=_FOOTER_CACHE)(self._read_metadata)
 
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
         return f"ParquetSource({self.url!r})"
 
     def list_objects(self) -> list[RemoteObject]:
-        try:
-            if self._fs.isfile(self._root):
-                found = {self._root: self._fs.info(self._root)}
-            else:
-                found = self._fs.find(self._root, detail=True)
-        except (FileNotFoundError, PermissionError) as exc:
-            raise SourceError(f"cannot list {self.url}: {type(exc).__name__}: {exc}") from exc
-        objects = [
-            RemoteObject(path=path, size=int(info["size"]))
-            for path, info in found.items()
-            if path.endswith(_SUFFIXES) and info.get("type", "file") == "file"
-        ]
-        if not objects:
-            raise SourceError(f"no Parquet files (*.parquet, *.parq) under {self.url}: check source.url")
-        return sorted(objects, key=lambda o: o.path)
+        return self._remote.list(_SUFFIXES, "Parquet")
 
     def units(self, obj: RemoteObject) -> list[Unit]:
         metadata = self._metadata(obj)
@@ -90,6 +76,8 @@ class ParquetSource:
         if len(tail) < 8 or tail[-4:] != b"PAR1":
             raise SourceError(f"{obj.path} is not a Parquet file (no PAR1 magic at its end)")
         needed = int.from_bytes(tail[-8:-4], "little") + 8
+        if needed > obj.size:
+            raise SourceError(f"{obj.path} is not a Parquet file (its footer length {needed} exceeds its size)")
         if needed > len(tail):
             tail_start = obj.size - needed
             tail = self._fetch(obj.path, tail_start, obj.size)
@@ -123,10 +111,7 @@ class ParquetSource:
         return min(s for s, _ in spans), max(e for _, e in spans)
 
     def _fetch(self, path: str, start: int, end: int) -> bytes:
-        try:
-            return self._fs.cat_file(path, start=start, end=end)
-        except (FileNotFoundError, PermissionError) as exc:
-            raise SourceError(f"cannot read {path} bytes {start}-{end}: {type(exc).__name__}: {exc}") from exc
+        return self._remote.fetch(path, start, end)
 
 
 def _buffered(path: str, size: int, parts: dict[tuple[int, int], bytes]) -> AlreadyBufferedFile:
