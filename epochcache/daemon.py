@@ -192,8 +192,10 @@ class _Run:
     def _pass(self, pool: ThreadPoolExecutor, cursor: Cursor) -> StopReason | None:
         """Consume one pass from ``cursor``; None when it completed, else why it stopped early."""
         self.pass_ = cursor.pass_
-        sampler = Sampler(lambda objects: self._units_of(pool, objects), self._objects(cursor.pass_),
-                          self.cfg.sampler.seed,
+        objects = self._objects(cursor.pass_)
+        if objects is None:
+            return StopReason.STOPPED
+        sampler = Sampler(lambda batch: self._units_of(pool, batch), objects, self.cfg.sampler.seed,
                           mix=self.cfg.sampler.mix_units, node_rank=self.rank, num_nodes=self.nodes)
         self.objects_total = len(sampler.node_objects(cursor.pass_))
         building = _Building(cursor)
@@ -301,16 +303,24 @@ class _Run:
         return ["v2", self.cfg.source.url, self.cfg.source.columns, sampler.seed, sampler.mix_units,
                 self.rank, self.nodes]
 
-    def _objects(self, pass_: int) -> list[RemoteObject]:
-        """The listing this pass walks: taken once per pass and kept in the ledger across restarts."""
+    def _objects(self, pass_: int) -> list[RemoteObject] | None:
+        """The listing this pass walks: taken once per pass and kept in the ledger across restarts.
+        A listing that keeps failing is tried again after a pause; None once stopped meanwhile."""
         listing = self.ledger.listing()
-        if not listing or listing["pass"] != pass_:
-            objects = self.source.list_objects()
+        if listing and listing["pass"] == pass_:
+            return [RemoteObject(path, size) for path, size in listing["objects"]]
+        while not self.stop.is_set():
+            try:
+                objects = self.retrier.call(self.source.list_objects, what=f"listing of {self.source.url}")
+            except FetchFailedError as exc:
+                log.warning("%s; trying again in %.0fs", exc, self.cfg.sampler.backoff_max_s)
+                self.stop.wait(self.cfg.sampler.backoff_max_s)
+                continue
             self.ledger.set_listing(
                 {"order": self._order(), "pass": pass_, "objects": [(o.path, o.size) for o in objects]}
             )
             return objects
-        return [RemoteObject(path, size) for path, size in listing["objects"]]
+        return None
 
     def _fetched(
         self, pool: ThreadPoolExecutor, walk: Iterator[tuple[Unit, Cursor]]
