@@ -39,7 +39,7 @@ from epochcache.ledger import Ledger, ShardRecord
 from epochcache.repair import reconcile
 from epochcache.retry import Retrier, describe
 from epochcache.sampler import Cursor, Sampler
-from epochcache.publisher import Publisher
+from epochcache.publisher import Published, Publisher
 from epochcache.sources import RemoteObject, Source, Unit, open_source
 
 log = logging.getLogger(__name__)
@@ -158,6 +158,8 @@ class _Run:
         sampler = self.cfg.sampler
         self.retrier = Retrier(sampler.max_attempts, sampler.backoff_s, sampler.backoff_max_s, ledger.incr, stop)
         self.pass_ = 0
+        self.writer: ThreadPoolExecutor  # set by execute(): the one thread that writes and publishes shards
+        self.pending: Future[Published | None] | None = None
         self.objects_total: int | None = None
         self.publisher = Publisher(daemon.layout, ledger, self.cfg.cache, stop, evict=not once)
         # disable=None: a bar on a terminal, none when output goes to a file or pipe.
@@ -167,7 +169,8 @@ class _Run:
 
     def execute(self) -> SyncReport:
         cursor = self._resume()
-        with ThreadPoolExecutor(self.cfg.sampler.concurrency, thread_name_prefix="fetch") as pool:
+        with ThreadPoolExecutor(self.cfg.sampler.concurrency, thread_name_prefix="fetch") as pool, \
+                ThreadPoolExecutor(1, thread_name_prefix="publish") as self.writer:
             try:
                 while not self.stop.is_set():
                     fetched_before = self.report.units_fetched
@@ -184,6 +187,7 @@ class _Run:
                         log.info("every unit of the remote is cached; checking again in %.0fs", _IDLE_POLL_S)
                         self.stop.wait(_IDLE_POLL_S)
             finally:
+                self._settle()  # a shard already handed over is finished, never left half-written
                 self.bar.close()
         log.info("sync ended (%s): %d shards, %d samples published", self.report.reason.value,
                  self.report.shards_published, self.report.samples_published)
@@ -208,14 +212,14 @@ class _Run:
                 if not self._publish(building):
                     return self._stop_reason()
                 building.reset(after)
-        if self.stop.is_set():
-            return StopReason.STOPPED
+        if self.stop.is_set() or not self._settle():
+            return self._stop_reason()
         for unit, table in self._retry_skipped(cursor.pass_):
             if not self._add(building, unit, table):
                 return self._stop_reason()
         if building.tables and not self._publish(building):
             return self._stop_reason()
-        return None
+        return None if self._settle() else self._stop_reason()
 
     def _add(self, building: _Building, unit: Unit, table: pa.Table) -> bool:
         """Add a unit's rows, first publishing what is built if they would overflow the shard."""
@@ -375,9 +379,21 @@ class _Run:
                 "units_skipped": self.report.units_skipped}
 
     def _publish(self, building: _Building) -> bool:
-        """Write ``building`` as one shard and publish it; False if stopped or the budget is full."""
+        """Hand ``building`` to the writer thread as one shard, once the shard before it is published;
+        False if that one was not (stopped, or the budget is full). Writing a shard thus overlaps
+        fetching and decoding the next, and shards are still published in order, one at a time."""
+        if not self._settle():
+            return False
         cursor = {**building.cursor.to_dict(), "progress": self._progress(building.cursor)}
-        published = self.publisher.publish(pa.concat_tables(building.tables), building.units, cursor)
+        self.pending = self.writer.submit(self.publisher.publish, pa.concat_tables(building.tables),
+                                          building.units, cursor)
+        return True
+
+    def _settle(self) -> bool:
+        """Wait for the shard in the writer thread; account for it. False if it was not published."""
+        if self.pending is None:
+            return True
+        published, self.pending = self.pending.result(), None
         if published is None:
             return False
         record = published.record
