@@ -52,8 +52,10 @@ def _resolve_local(value: str, info: ValidationInfo) -> str:
 class SourceConfig(_Section):
     """Where the remote dataset lives and how to read it."""
 
-    url: str = Field(description="fsspec URL or local path of a Parquet file or a folder of them")
-    format: Literal["parquet"] = "parquet"
+    url: str = Field(description="fsspec URL or local path of a data file or a folder of them")
+    format: Literal["parquet", "arrow"] = Field(
+        default="parquet", description="parquet: units are row groups; arrow (IPC/Feather v2): record batches"
+    )
     columns: list[str] | None = Field(default=None, min_length=1, description="columns to fetch; null = all")
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments for the fsspec filesystem (s3fs, ...)"

@@ -23,14 +23,15 @@ class RemoteObject:
 class Unit:
     """The smallest piece read in one go: a Parquet row group, say.
 
-    ``obj``: the object it belongs to; ``index``: the unit's number within the object; ``row_offset``: the
-    object-wide index of its first row; ``nbytes``: the uncompressed size estimate from metadata.
+    ``obj``: the object it belongs to; ``index``: the unit's number within the object; ``rows`` and
+    ``row_offset`` (the object-wide index of its first row): None where the format's metadata does not
+    tell them before the unit is read (Arrow IPC); ``nbytes``: the size estimate from metadata.
     """
 
     obj: RemoteObject
     index: int
-    rows: int
-    row_offset: int
+    rows: int | None
+    row_offset: int | None
     nbytes: int
 
     @property
