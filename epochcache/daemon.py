@@ -36,6 +36,7 @@ from epochcache.errors import DaemonRunningError, FetchFailedError, ObjectMissin
 from epochcache.evict import policy_named
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Ledger, ShardRecord
+from epochcache.listing import PagedListing, store_listing
 from epochcache.repair import reconcile
 from epochcache.retry import Retrier, describe
 from epochcache.sampler import Cursor, Sampler
@@ -297,6 +298,7 @@ class _Run:
                         "changed since the last run: "
                         "starting a new order from its first pass; cached shards rotate out as usual")
             self.ledger.set_listing({})
+            self.ledger.drop_listing_pages()
             self.ledger.set_cursor(Cursor().to_dict())
             return Cursor()
         return Cursor.from_dict(self.ledger.cursor())
@@ -307,24 +309,26 @@ class _Run:
         return ["v2", self.cfg.source.url, self.cfg.source.format, self.cfg.source.columns, sampler.seed, sampler.mix_units,
                 self.rank, self.nodes]
 
-    def _objects(self, pass_: int) -> list[RemoteObject] | None:
-        """The listing this pass walks: taken once per pass and kept in the ledger across restarts.
-        A listing that keeps failing is tried again after a pause; None once stopped meanwhile."""
-        listing = self.ledger.listing()
-        if listing and listing["pass"] == pass_:
-            return [RemoteObject(path, size) for path, size in listing["objects"]]
+    def _objects(self, pass_: int) -> PagedListing | None:
+        """The listing this pass walks: streamed into the ledger once per pass and reopened from it
+        across restarts. A listing that keeps failing is tried again after a pause; None once stopped."""
+        header = self.ledger.listing()
+        if header and header.get("pass") == pass_:
+            stored = PagedListing.open(self.ledger, header)
+            if stored is not None:
+                return stored
         while not self.stop.is_set():
             try:
-                objects = self.retrier.call(self.source.list_objects, what=f"listing of {self.source.url}")
+                return self.retrier.call(self._list, pass_, what=f"listing of {self.source.url}")
             except FetchFailedError as exc:
                 log.warning("%s; trying again in %.0fs", exc, self.cfg.sampler.backoff_max_s)
                 self.stop.wait(self.cfg.sampler.backoff_max_s)
-                continue
-            self.ledger.set_listing(
-                {"order": self._order(), "pass": pass_, "objects": [(o.path, o.size) for o in objects]}
-            )
-            return objects
         return None
+
+    def _list(self, pass_: int) -> PagedListing:
+        listing = store_listing(self.ledger, self.source.scan_objects(), {"order": self._order(), "pass": pass_})
+        log.info("listed %d objects under %s for pass %d", len(listing), self.source.url, pass_)
+        return listing
 
     def _fetched(
         self, pool: ThreadPoolExecutor, walk: Iterator[tuple[Unit, Cursor]]

@@ -266,6 +266,20 @@ class Ledger:
     def drop_skipped(self, unit_key: str) -> None:
         self._cache.delete("skipped:" + unit_key, retry=True)
 
+    # The remote listing in pages, written as the listing streams in: ``"listing_page:<n>"`` -> a list
+    # of ``(path, size)``; ``set_listing`` holds its header (which pass, how many objects, page starts).
+
+    def listing_page(self, number: int) -> list[tuple[str, int]] | None:
+        return self._cache.get(f"listing_page:{number}", retry=True)
+
+    def set_listing_page(self, number: int, objects: list[tuple[str, int]]) -> None:
+        self._cache.set(f"listing_page:{number}", objects, retry=True)
+
+    def drop_listing_pages(self) -> None:
+        for key in list(self._cache.iterkeys()):
+            if isinstance(key, str) and key.startswith("listing_page:"):
+                self._cache.delete(key, retry=True)
+
     # -- counters -------------------------------------------------------------------------------
 
     def incr(self, name: str, delta: int = 1) -> None:

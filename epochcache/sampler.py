@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from epochcache.seeding import permutation
 from epochcache.sources.base import RemoteObject, Unit
 
@@ -67,10 +69,9 @@ class Sampler:
         self._seed, self._mix = seed, mix
         self._rank, self._nodes = node_rank, num_nodes
 
-    def node_objects(self, pass_: int) -> list[int]:
-        """Indices into ``objects`` of this node's share of pass ``pass_``, in walk order."""
-        order = permutation(len(self._objects), self._seed, pass_)
-        return [int(i) for i in order[self._rank :: self._nodes]]
+    def node_objects(self, pass_: int) -> np.ndarray:
+        """Indices into ``objects`` (int64) of this node's share of pass ``pass_``, in walk order."""
+        return permutation(len(self._objects), self._seed, pass_)[self._rank :: self._nodes]
 
     def groups(self, pass_: int) -> int:
         """How many groups this node walks in pass ``pass_``."""
@@ -89,11 +90,11 @@ class Sampler:
                     after = Cursor(cursor.pass_, group + 1)
                 yield sequence[step], after
 
-    def _interleave(self, pass_: int, members: list[int]) -> list[Unit]:
+    def _interleave(self, pass_: int, members: np.ndarray) -> list[Unit]:
         """The units of ``members``, each object's permuted, taken round-robin across objects."""
-        per_object = self._units_of([self._objects[i] for i in members])
+        per_object = self._units_of([self._objects[int(i)] for i in members])
         shuffled = [
-            [units[int(j)] for j in permutation(len(units), self._seed, pass_, index)]
+            [units[int(j)] for j in permutation(len(units), self._seed, pass_, int(index))]
             for index, units in zip(members, per_object)
         ]
         longest = max((len(units) for units in shuffled), default=0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +56,9 @@ class ArrowSource:
 
     def list_objects(self) -> list[RemoteObject]:
         return self._remote.list(_SUFFIXES, "Arrow IPC")
+
+    def scan_objects(self) -> Iterator[list[RemoteObject]]:
+        return self._remote.scan(_SUFFIXES, "Arrow IPC")
 
     def units(self, obj: RemoteObject) -> list[Unit]:
         """One unit per record batch; ``rows`` is None (known once read), ``nbytes`` its body size."""

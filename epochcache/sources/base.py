@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,6 +51,11 @@ class Source(Protocol):
 
     def list_objects(self) -> list[RemoteObject]:
         """All objects of the dataset, sorted by path (the sampler's permutations rely on the order)."""
+        ...
+
+    def scan_objects(self) -> Iterator[list[RemoteObject]]:
+        """The objects of :meth:`list_objects` in pages, streamed where the store allows (S3): a
+        listing of any size in bounded memory."""
         ...
 
     def units(self, obj: RemoteObject) -> Sequence[Unit]:

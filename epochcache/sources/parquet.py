@@ -9,7 +9,7 @@ chunks of one row group in a single ranged GET and decodes it with pyarrow.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,9 @@ class ParquetSource:
 
     def list_objects(self) -> list[RemoteObject]:
         return self._remote.list(_SUFFIXES, "Parquet")
+
+    def scan_objects(self) -> Iterator[list[RemoteObject]]:
+        return self._remote.scan(_SUFFIXES, "Parquet")
 
     def units(self, obj: RemoteObject) -> list[Unit]:
         metadata = self._metadata(obj)

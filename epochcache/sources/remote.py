@@ -8,14 +8,28 @@ Messages carry paths and causes only, never ``storage_options`` (which may hold 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import fsspec
+import fsspec.asyn
 
 from epochcache.errors import ObjectMissingError, SourceError
 from epochcache.retry import TruncatedReadError, describe
 from epochcache.sources.base import RemoteObject
+
+
+_PAGE = 1000  # objects per listing page: S3's own page size
+
+
+async def _take(entries: AsyncIterator[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """Up to ``count`` next items of an async iterator (fewer only at its end)."""
+    taken: list[dict[str, Any]] = []
+    async for entry in entries:
+        taken.append(entry)
+        if len(taken) == count:
+            break
+    return taken
 
 
 class RemoteFiles:
@@ -31,24 +45,52 @@ class RemoteFiles:
         return f"RemoteFiles({self.url!r})"
 
     def list(self, suffixes: Sequence[str], kind: str) -> list[RemoteObject]:
-        """Objects whose names end with one of ``suffixes``, sorted by path; ``kind`` names them in the
-        error raised when there are none."""
+        """Every object :meth:`scan` yields, in one list (fine for small listings and tests)."""
+        return [obj for page in self.scan(suffixes, kind) for obj in page]
+
+    def scan(self, suffixes: Sequence[str], kind: str, page_size: int = _PAGE) -> Iterator[list[RemoteObject]]:
+        """Objects whose names end with one of ``suffixes``, sorted by path, in pages of up to
+        ``page_size``; ``kind`` names them in the error raised when there are none.
+
+        On S3 the listing is streamed page by page (S3 lists keys in order), so a prefix of any size
+        is listed in bounded memory; other filesystems are listed whole, then paged.
+        """
+        found = False
         try:
             if self.fs.isfile(self.root):
-                found = {self.root: self.fs.info(self.root)}
+                pages: Iterator[list[RemoteObject]] = iter([[RemoteObject(self.root, int(self.fs.size(self.root)))]])
+            elif hasattr(self.fs, "_iterdir"):
+                pages = self._s3_pages(page_size)
             else:
-                found = self.fs.find(self.root, detail=True)
+                pages = self._find_pages(page_size)
+            for page in pages:
+                matching = [obj for obj in page if obj.path.endswith(tuple(suffixes))]
+                found = found or bool(matching)
+                if matching:
+                    yield matching
         except (FileNotFoundError, PermissionError) as exc:
             raise SourceError(f"cannot list {self.url}: {describe(exc)}") from exc
-        objects = [
-            RemoteObject(path=path, size=int(info["size"]))
-            for path, info in found.items()
-            if path.endswith(tuple(suffixes)) and info.get("type", "file") == "file"
-        ]
-        if not objects:
+        if not found:
             raise SourceError(f"no {kind} files ({', '.join('*' + s for s in suffixes)}) under {self.url}: "
                               "check source.url")
-        return sorted(objects, key=lambda o: o.path)
+
+    def _find_pages(self, page_size: int) -> Iterator[list[RemoteObject]]:
+        found = self.fs.find(self.root, detail=True)
+        objects = sorted((RemoteObject(path, int(info["size"])) for path, info in found.items()
+                          if info.get("type", "file") == "file"), key=lambda o: o.path)
+        for start in range(0, len(objects), page_size):
+            yield objects[start : start + page_size]
+
+    def _s3_pages(self, page_size: int) -> Iterator[list[RemoteObject]]:
+        """s3fs's paginated ListObjectsV2 (its ``_iterdir``), ``page_size`` objects at a time."""
+        bucket, _, key = self.root.partition("/")
+        prefix = key.rstrip("/") + "/" if key else ""
+        entries = self.fs._iterdir(bucket, delimiter="", prefix=prefix)
+        try:
+            while page := fsspec.asyn.sync(self.fs.loop, _take, entries, page_size):
+                yield [RemoteObject(e["name"], int(e["size"])) for e in page if e.get("type") == "file"]
+        finally:
+            fsspec.asyn.sync(self.fs.loop, entries.aclose)
 
     def fetch(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``path`` in one ranged read; exactly that many or an error."""
