@@ -8,6 +8,9 @@ import fsspec
 import numpy as np
 import pytest
 from conftest import write_parquet_dataset
+from pydantic import ValidationError
+
+from epochcache.errors import ConfigError
 
 from epochcache.sampler import Cursor, Sampler, UnitsOf
 from epochcache.seeding import permutation
@@ -162,3 +165,16 @@ def test_nodes_split_the_pass_without_overlap(source: ParquetSource, objects: li
     assert len(everything) == len(set(everything)), "no unit is fetched by two nodes"
     assert set(everything) == all_keys(source, objects)
     assert all(shares[1:])  # 4 objects over 3 nodes: every node has work
+
+
+def test_partition_from_config_or_torchrun_environment() -> None:
+    from epochcache.config import SamplerConfig
+
+    assert SamplerConfig().partition(env={}) == (0, 1)
+    torchrun = {"GROUP_RANK": "2", "WORLD_SIZE": "32", "LOCAL_WORLD_SIZE": "8"}  # 4 nodes of 8 GPUs
+    assert SamplerConfig().partition(env=torchrun) == (2, 4)
+    assert SamplerConfig(node_rank=1, num_nodes=3).partition(env=torchrun) == (1, 3)
+    with pytest.raises(ConfigError, match="GROUP_RANK"):
+        SamplerConfig(num_nodes=2).partition(env=torchrun)
+    with pytest.raises(ValidationError, match="node_rank=3 must be below num_nodes=3"):
+        SamplerConfig(node_rank=3, num_nodes=3)
