@@ -53,8 +53,9 @@ class SourceConfig(_Section):
     """Where the remote dataset lives and how to read it."""
 
     url: str = Field(description="fsspec URL or local path of a data file or a folder of them")
-    format: Literal["parquet", "arrow"] = Field(
-        default="parquet", description="parquet: units are row groups; arrow (IPC/Feather v2): record batches"
+    format: Literal["parquet", "arrow", "webdataset"] = Field(
+        default="parquet",
+        description="parquet: units are row groups; arrow (IPC/Feather v2): record batches; webdataset: tars",
     )
     columns: list[str] | None = Field(default=None, min_length=1, description="columns to fetch; null = all")
     storage_options: dict[str, Any] = Field(
