@@ -53,9 +53,13 @@ class SourceConfig(_Section):
     """Where the remote dataset lives and how to read it."""
 
     url: str = Field(description="fsspec URL or local path of a data file or a folder of them")
-    format: Literal["parquet", "arrow", "webdataset"] = Field(
+    format: Literal["parquet", "arrow", "webdataset", "objects"] = Field(
         default="parquet",
-        description="parquet: units are row groups; arrow (IPC/Feather v2): record batches; webdataset: tars",
+        description="parquet: units are row groups; arrow (IPC/Feather v2): record batches; webdataset: "
+        "tars; objects: one sample per object",
+    )
+    labels: str | None = Field(
+        default=None, description="format objects: 'folder', or a CSV/JSONL/Parquet table of key -> columns"
     )
     columns: list[str] | None = Field(default=None, min_length=1, description="columns to fetch; null = all")
     storage_options: dict[str, Any] = Field(
@@ -68,6 +72,18 @@ class SourceConfig(_Section):
         if not value.strip():
             raise ValueError("must not be empty: give an fsspec URL such as s3://bucket/prefix/")
         return _resolve_local(value, info)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return value if value in (None, "folder") else _resolve_local(value, info)
+
+    @model_validator(mode="after")
+    def _labels_need_objects(self) -> SourceConfig:
+        if self.labels is not None and self.format != "objects":
+            raise ValueError(f"labels={self.labels!r} applies only to format 'objects', not {self.format!r}: "
+                             "remove source.labels or set source.format: objects")
+        return self
 
 
 class CacheConfig(_Section):

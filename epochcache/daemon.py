@@ -306,7 +306,7 @@ class _Run:
     def _order(self) -> list[object]:
         """What fixes the remote order; a cursor is meaningless under another one."""
         sampler = self.cfg.sampler
-        return ["v2", self.cfg.source.url, self.cfg.source.format, self.cfg.source.columns, sampler.seed, sampler.mix_units,
+        return ["v2", self.cfg.source.url, self.cfg.source.format, self.cfg.source.columns, self.cfg.source.labels, sampler.seed, sampler.mix_units,
                 self.rank, self.nodes]
 
     def _objects(self, pass_: int) -> PagedListing | None:
