@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--file-mb", type=float, default=64.0, help="Parquet file size (default 64)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported (default 3)")
+    parser.add_argument("--cache-parent", default=None,
+                        help="folder to create the cache dirs in (default: the system temp folder)")
     args = parser.parse_args()
     server = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
@@ -79,7 +81,7 @@ def run(endpoint: str, args: argparse.Namespace) -> dict[str, object]:
     ceilings, ingests, report = [], [], None
     for _ in range(args.rounds):  # interleaved, so load from elsewhere on the machine hits both alike
         ceilings.append(raw_gets(fs, spans, args.concurrency))
-        seconds, report = ingest_once(options, remote_bytes, args.concurrency)
+        seconds, report = ingest_once(options, remote_bytes, args.concurrency, args.cache_parent)
         ingests.append(seconds)
     ceiling_s, ingest_s = statistics.median(ceilings), statistics.median(ingests)
     ceiling, ingest = remote_bytes / ceiling_s / 1e6, remote_bytes / ingest_s / 1e6
@@ -88,14 +90,17 @@ def run(endpoint: str, args: argparse.Namespace) -> dict[str, object]:
         "rounds": args.rounds, "ingest_mb_s": round(ingest, 1), "ceiling_mb_s": round(ceiling, 1),
         "ratio": round(ingest / ceiling, 3), "ingest_s": round(ingest_s, 2), "ceiling_s": round(ceiling_s, 2),
         "ingest_s_rounds": [round(s, 2) for s in ingests], "ceiling_s_rounds": [round(s, 2) for s in ceilings],
+        "cache_parent": args.cache_parent or tempfile.gettempdir(),
         "units_published": report.units_published, "samples_published": report.samples_published,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
     }
 
 
-def ingest_once(options: dict[str, object], remote_bytes: int, concurrency: int) -> tuple[float, SyncReport]:
+def ingest_once(
+    options: dict[str, object], remote_bytes: int, concurrency: int, cache_parent: str | None
+) -> tuple[float, SyncReport]:
     """Seconds for ``SyncDaemon.run(once=True)`` to cache the whole remote into a fresh cache dir."""
-    with tempfile.TemporaryDirectory() as cache:
+    with tempfile.TemporaryDirectory(dir=cache_parent) as cache:
         config = load_config(None, {
             "source.url": "s3://bench/data", "source.storage_options": options,
             "cache.dir": cache, "cache.max_bytes": int(remote_bytes * 1.5) + 64 * 10**6,
@@ -163,6 +168,7 @@ def print_table(result: dict[str, object]) -> None:
             ("ceiling: raw concurrent GETs (MB/s)", f"{result['ceiling_mb_s']} ({result['ceiling_s']} s)"),
             ("ingest: SyncDaemon --once (MB/s)", f"{result['ingest_mb_s']} ({result['ingest_s']} s)"),
             ("ingest / ceiling", f"{result['ratio']:.1%}"),
+            ("cache dirs under", result["cache_parent"]),
             ("machine", result["machine"])]
     width = max(len(name) for name, _ in rows)
     print(f"{'measure':<{width}} | value")

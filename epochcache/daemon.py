@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from types import FrameType
+from typing import Any
 
 import pyarrow as pa
 from tqdm import tqdm
@@ -46,6 +47,9 @@ from epochcache.sources import RemoteObject, Source, Unit, open_source
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 5.0
+# Shards handed to the writer thread and not yet published: enough to keep fetching while one is
+# written and the next waits, few enough that memory stays ~ (2 + this) * cache.shard_bytes.
+_WRITES_QUEUED = 2
 
 
 class StopReason(str, Enum):
@@ -160,7 +164,8 @@ class _Run:
         self.retrier = Retrier(sampler.max_attempts, sampler.backoff_s, sampler.backoff_max_s, ledger.incr, stop)
         self.pass_ = 0
         self.writer: ThreadPoolExecutor  # set by execute(): the one thread that writes and publishes shards
-        self.pending: Future[Published | None] | None = None
+        self.pending: deque[Future[Published | None]] = deque()
+        self.refused = threading.Event()  # set by the writer thread once a shard was not published
         self.objects_total: int | None = None
         self.publisher = Publisher(daemon.layout, ledger, self.cfg.cache, stop, evict=not once)
         # disable=None: a bar on a terminal, none when output goes to a file or pipe.
@@ -383,22 +388,42 @@ class _Run:
                 "units_skipped": self.report.units_skipped}
 
     def _publish(self, building: _Building) -> bool:
-        """Hand ``building`` to the writer thread as one shard, once the shard before it is published;
-        False if that one was not (stopped, or the budget is full). Writing a shard thus overlaps
-        fetching and decoding the next, and shards are still published in order, one at a time."""
-        if not self._settle():
-            return False
+        """Hand ``building`` to the writer thread as one shard, once fewer than ``_WRITES_QUEUED`` wait
+        there; False if a shard before it was not published (stopped, or the budget is full). Writing
+        shards thus overlaps fetching and decoding the next ones, and shards are still published in
+        order, one at a time, each with the cursor just past its last unit."""
+        while len(self.pending) >= _WRITES_QUEUED:
+            if not self._settle_one():
+                return False
         cursor = {**building.cursor.to_dict(), "progress": self._progress(building.cursor)}
-        self.pending = self.writer.submit(self.publisher.publish, pa.concat_tables(building.tables),
-                                          building.units, cursor)
+        self.pending.append(self.writer.submit(self._write, pa.concat_tables(building.tables), building.units, cursor))
         return True
 
-    def _settle(self) -> bool:
-        """Wait for the shard in the writer thread; account for it. False if it was not published."""
-        if self.pending is None:
-            return True
-        published, self.pending = self.pending.result(), None
+    def _write(self, table: pa.Table, units: list[str], cursor: dict[str, Any]) -> Published | None:
+        """In the writer thread: publish one shard, unless one before it was refused (then none after
+        it may be published either, or the cursor would jump past the refused shard's units)."""
+        if self.refused.is_set():
+            return None
+        published = self.publisher.publish(table, units, cursor)
         if published is None:
+            self.refused.set()
+        return published
+
+    def _settle(self) -> bool:
+        """Wait for every shard in the writer thread; False if one was not published (and then the
+        ones after it are dropped unpublished: the cursor never jumps past a shard that is missing)."""
+        while self.pending:
+            if not self._settle_one():
+                return False
+        return True
+
+    def _settle_one(self) -> bool:
+        """Wait for the oldest shard in the writer thread and account for it; False if it was not published."""
+        published = self.pending.popleft().result()
+        if published is None:
+            for later in self.pending:  # each returns None unpublished if it is already running
+                later.cancel()
+            self.pending.clear()
             return False
         record = published.record
         for victim in published.evicted:
