@@ -2,8 +2,9 @@
 
 Flow: ``list_objects`` lists ``*.parquet``/``*.parq`` under the URL (or the one file it names);
 ``units`` reads an object's footer (one ranged GET of its tail, a second only for footers over
-64 KiB) and caches the parsed metadata; ``read`` fetches the byte range spanning the wanted column
-chunks of one row group in a single ranged GET and decodes it with pyarrow.
+64 KiB) and caches the parsed metadata; ``read`` fetches the wanted column chunks of one row group,
+one ranged GET per run of neighbouring chunks (a single GET when all columns are wanted), and
+decodes them with pyarrow.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ _SUFFIXES = (".parquet", ".parq")
 # footer parsing to a single request for typical files.
 _TAIL_BYTES = 64 * 1024
 _FOOTER_CACHE = 256
+# Unwanted bytes between two wanted column chunks below this are read through rather than asked
+# for in a second request (a request costs about as much as this many bytes on a fast link).
+_GAP_BYTES = 1 << 20
 
 
 class ParquetSource:
@@ -65,9 +69,9 @@ class ParquetSource:
 
     def read(self, unit: Unit) -> pa.Table:
         metadata = self._metadata(unit.obj)
-        start, end = self._byte_range(metadata, unit.index)
-        data = self._fetch(unit.obj.path, start, end)
-        f = _buffered(unit.obj.path, unit.obj.size, {(start, end): data})
+        parts = {(start, end): self._fetch(unit.obj.path, start, end)
+                 for start, end in self._byte_ranges(metadata, unit.index)}
+        f = _buffered(unit.obj.path, unit.obj.size, parts)
         table = pq.ParquetFile(f, metadata=metadata).read_row_group(unit.index, columns=self.columns)
         rows = pa.array(np.arange(unit.row_offset, unit.row_offset + unit.rows, dtype=np.int64))
         keys = pc.binary_join_element_wise(f"{unit.obj.path}:", pc.cast(rows, pa.string()), "")
@@ -101,8 +105,10 @@ class ParquetSource:
                 f"source.columns names {missing} absent from {path}: present are {sorted(present)}"
             )
 
-    def _byte_range(self, metadata: pq.FileMetaData, index: int) -> tuple[int, int]:
-        """The span of file bytes holding row group ``index``'s chunks of the wanted columns."""
+    def _byte_ranges(self, metadata: pq.FileMetaData, index: int) -> list[tuple[int, int]]:
+        """The spans of file bytes holding row group ``index``'s chunks of the wanted columns, one per
+        run of neighbouring chunks: unwanted columns between two runs are skipped, not downloaded,
+        unless the gap is smaller than :data:`_GAP_BYTES` (cheaper to read than to ask twice)."""
         group = metadata.row_group(index)
         spans = []
         for leaf in _leaf_columns(metadata, self.columns):
@@ -111,7 +117,13 @@ class ParquetSource:
             if chunk.has_dictionary_page and chunk.dictionary_page_offset:
                 start = min(start, chunk.dictionary_page_offset)
             spans.append((start, start + chunk.total_compressed_size))
-        return min(s for s, _ in spans), max(e for _, e in spans)
+        runs: list[tuple[int, int]] = []
+        for start, end in sorted(spans):
+            if runs and start - runs[-1][1] <= _GAP_BYTES:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], end))
+            else:
+                runs.append((start, end))
+        return runs
 
     def _fetch(self, path: str, start: int, end: int) -> bytes:
         return self._remote.fetch(path, start, end)
