@@ -240,10 +240,10 @@ class _Run:
         """The units of ``objects``, their metadata read concurrently. An object whose metadata keeps
         failing (or is gone) counts as empty for this pass and is recorded, so a restart walks the
         same order; it is retried at the end of the pass."""
-        skipped = self.ledger.skipped()
+        skipped = {key for key, info in self.ledger.skipped().items() if info.get("pass") == self.pass_}
         futures = [
-            None if f"{obj.path}#*" in skipped else pool.submit(self.retrier.call, self.source.units, obj,
-                                                                    what=f"metadata of {obj.path}")
+            None if f"{obj.path}#*" in skipped
+            else pool.submit(self.retrier.call, self.source.units, obj, what=f"metadata of {obj.path}")
             for obj in objects
         ]
         return [self._units_or_skip(obj, future) for obj, future in zip(objects, futures)]
@@ -311,7 +311,8 @@ class _Run:
     def _order(self) -> list[object]:
         """What fixes the remote order; a cursor is meaningless under another one."""
         sampler = self.cfg.sampler
-        return ["v2", self.cfg.source.url, self.cfg.source.format, self.cfg.source.columns, self.cfg.source.labels, sampler.seed, sampler.mix_units,
+        source = self.cfg.source
+        return ["v2", source.url, source.format, source.columns, source.labels, sampler.seed, sampler.mix_units,
                 self.rank, self.nodes]
 
     def _objects(self, pass_: int) -> PagedListing | None:

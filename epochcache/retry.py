@@ -82,7 +82,7 @@ class Retrier:
             retry=tenacity.retry_if_exception(is_transient),
             stop=tenacity.stop_after_attempt(max_attempts) | tenacity.stop_when_event_set(self._stop),
             wait=tenacity.wait_random_exponential(multiplier=backoff_s, max=backoff_max_s),
-            sleep=self._stop.wait,
+            sleep=self._sleep,
             before_sleep=self._before_sleep,
             reraise=True,
         )
@@ -97,6 +97,9 @@ class Retrier:
                 raise
             self._count("give_ups")
             raise FetchFailedError(f"{what}: still failing after retries: {describe(exc)}") from exc
+
+    def _sleep(self, seconds: float) -> None:
+        self._stop.wait(seconds)
 
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
         self._count("retries")

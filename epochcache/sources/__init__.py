@@ -10,8 +10,17 @@ from epochcache.sources.objects import ObjectSource
 from epochcache.sources.parquet import ParquetSource
 from epochcache.sources.webdataset import WebDatasetSource
 
-__all__ = ["KEY_COLUMN", "ArrowSource", "ObjectSource", "ParquetSource", "RemoteObject", "Source", "Unit", "WebDatasetSource",
-           "open_source"]
+__all__ = [
+    "KEY_COLUMN",
+    "ArrowSource",
+    "ObjectSource",
+    "ParquetSource",
+    "RemoteObject",
+    "Source",
+    "Unit",
+    "WebDatasetSource",
+    "open_source",
+]
 
 
 def open_source(config: SourceConfig, request_timeout_s: float = 60.0) -> Source:
@@ -20,5 +29,8 @@ def open_source(config: SourceConfig, request_timeout_s: float = 60.0) -> Source
     options = single_attempt_options(config.url, config.storage_options, request_timeout_s)
     if config.format == "objects":
         return ObjectSource(config.url, columns=config.columns, storage_options=options, labels=config.labels)
-    kind: type[Source] = {"parquet": ParquetSource, "arrow": ArrowSource, "webdataset": WebDatasetSource}[config.format]
-    return kind(config.url, columns=config.columns, storage_options=options)
+    if config.format == "arrow":
+        return ArrowSource(config.url, columns=config.columns, storage_options=options)
+    if config.format == "webdataset":
+        return WebDatasetSource(config.url, columns=config.columns, storage_options=options)
+    return ParquetSource(config.url, columns=config.columns, storage_options=options)

@@ -55,7 +55,7 @@ class ArrowSource:
         return f"ArrowSource({self.url!r})"
 
     def list_objects(self) -> list[RemoteObject]:
-        return self._remote.list(_SUFFIXES, "Arrow IPC")
+        return self._remote.list_all(_SUFFIXES, "Arrow IPC")
 
     def scan_objects(self) -> Iterator[list[RemoteObject]]:
         return self._remote.scan(_SUFFIXES, "Arrow IPC")

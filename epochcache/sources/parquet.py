@@ -53,7 +53,7 @@ class ParquetSource:
         return f"ParquetSource({self.url!r})"
 
     def list_objects(self) -> list[RemoteObject]:
-        return self._remote.list(_SUFFIXES, "Parquet")
+        return self._remote.list_all(_SUFFIXES, "Parquet")
 
     def scan_objects(self) -> Iterator[list[RemoteObject]]:
         return self._remote.scan(_SUFFIXES, "Parquet")
@@ -73,7 +73,8 @@ class ParquetSource:
                  for start, end in self._byte_ranges(metadata, unit.index)}
         f = _buffered(unit.obj.path, unit.obj.size, parts)
         table = pq.ParquetFile(f, metadata=metadata).read_row_group(unit.index, columns=self.columns)
-        rows = pa.array(np.arange(unit.row_offset, unit.row_offset + unit.rows, dtype=np.int64))
+        first = sum(metadata.row_group(i).num_rows for i in range(unit.index))
+        rows = pa.array(np.arange(first, first + table.num_rows, dtype=np.int64))
         keys = pc.binary_join_element_wise(f"{unit.obj.path}:", pc.cast(rows, pa.string()), "")
         return table.append_column(KEY_COLUMN, keys)
 
@@ -144,7 +145,8 @@ def _leaf_columns(metadata: pq.FileMetaData, columns: Sequence[str] | None) -> l
     """
     schema = metadata.schema.to_arrow_schema()
     wanted = set(schema.names if columns is None else columns)
-    leaves, first = [], 0
+    leaves: list[int] = []
+    first = 0
     for field in schema:
         count = _leaf_count(field.type)
         if field.name in wanted:

@@ -44,7 +44,7 @@ class RemoteFiles:
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
         return f"RemoteFiles({self.url!r})"
 
-    def list(self, suffixes: Sequence[str], kind: str) -> list[RemoteObject]:
+    def list_all(self, suffixes: Sequence[str], kind: str) -> list[RemoteObject]:
         """Every object :meth:`scan` yields, in one list (fine for small listings and tests)."""
         return [obj for page in self.scan(suffixes, kind) for obj in page]
 

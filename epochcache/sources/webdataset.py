@@ -41,7 +41,7 @@ class WebDatasetSource:
         return f"WebDatasetSource({self.url!r})"
 
     def list_objects(self) -> list[RemoteObject]:
-        return self._remote.list(_SUFFIXES, "WebDataset tar")
+        return self._remote.list_all(_SUFFIXES, "WebDataset tar")
 
     def scan_objects(self) -> Iterator[list[RemoteObject]]:
         return self._remote.scan(_SUFFIXES, "WebDataset tar")
