@@ -16,6 +16,7 @@ import yaml
 from conftest import ITEM_SHAPE, UnitLog, write_parquet_dataset
 from faultproxy import KINDS, FaultProxy
 
+import epochcache.daemon as daemon_module
 from epochcache import Ledger, SourceError, SyncDaemon
 from epochcache.config import Config
 from epochcache.daemon import StopReason
@@ -173,3 +174,39 @@ def _denied() -> None:
 ])
 def test_transient_classification(exc: BaseException, transient: bool) -> None:
     assert is_transient(exc) is transient
+
+
+def test_a_unit_that_keeps_failing_is_skipped_then_retried_at_the_end_of_the_pass(
+    tmp_path: Path, make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "remote"
+    write_parquet_dataset(fsspec.filesystem("file"), str(root), FILES, ROWS_PER_FILE, ROWS_PER_GROUP)
+    config = make_config(str(root), **ROOMY, **{"sampler.backoff_s": 0.001, "sampler.max_attempts": 3})
+    flaky_key = f"{root}/part-002.parquet#3"
+    failures = {"left": 3}  # exactly max_attempts: the walk gives up on it, the end-of-pass retry reads it
+    open_source = daemon_module.open_source
+
+    def open_flaky(*args: Any) -> Any:  # fault injection: one unit's reads fail with a reset
+        source = open_source(*args)
+        read = source.read
+
+        def flaky_read(unit: Any) -> pa.Table:
+            if unit.key == flaky_key and failures["left"] > 0:
+                failures["left"] -= 1
+                raise ConnectionResetError("injected reset")
+            return read(unit)
+
+        monkeypatch.setattr(source, "read", flaky_read)
+        return source
+
+    monkeypatch.setattr(daemon_module, "open_source", open_flaky)
+    log = UnitLog()
+    report = log.daemon(config).run(once=True)
+    ledger = Ledger(CacheLayout(Path(config.cache.dir)).ledger)
+    counters, skipped = ledger.counters(), ledger.skipped()
+    ledger.close()
+    assert report.reason is StopReason.EXHAUSTED and report.units_skipped == 1
+    assert counters["retries"] == 2 and counters["give_ups"] == 1 and counters["units_skipped"] == 1
+    assert log.published.count(flaky_key) == 1 and log.published[-1] == flaky_key, "retried at the end"
+    assert len(log.published) == len(set(log.published)) == FILES * GROUPS
+    assert not skipped, "the record goes once the unit is published"
