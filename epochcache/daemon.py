@@ -8,8 +8,15 @@ cached shard are skipped, so no sample is ever cached twice, even across passes.
 
 Before a shard is written its exact size is reserved in the ledger, evicting unleased shards by the
 configured policy; if only leased shards could make room the daemon waits (backpressure) rather than
-exceed ``cache.max_bytes``. SIGINT/SIGTERM stop it between units: the shard being built is dropped,
-never published half-written.
+exceed ``cache.max_bytes``. Shards are written and published by one writer thread, in order, while
+the next ones are fetched. SIGINT/SIGTERM stop it between units: the shard being built is dropped,
+never published half-written (shards already handed to the writer are finished).
+
+Faults: every remote call goes through :class:`~epochcache.retry.Retrier` (transient errors retried
+with backoff, counted in the ledger). A unit (or an object's metadata) that still fails, or whose
+object vanished, is recorded in the ledger as skipped and the walk goes on, so a transient outage
+never kills the daemon; at the end of the pass the skipped units are read again. Permanent errors
+(:class:`SourceError`) end the run.
 """
 
 from __future__ import annotations
