@@ -192,7 +192,8 @@ class _Run:
                         self.report.reason = reason
                         break
                     cursor = cursor.next_pass()
-                    self.ledger.set_cursor(cursor.to_dict())
+                    self.objects_total = None  # the next pass's listing is not taken yet
+                    self.ledger.set_cursor({**cursor.to_dict(), "progress": self._progress(cursor)})
                     if self.once:
                         self.report.reason = StopReason.EXHAUSTED
                         break

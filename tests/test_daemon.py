@@ -194,3 +194,13 @@ def test_verbose_logging_never_shows_credentials(
     assert "DEBUG epochcache" in output, "verbose mode shows our own debug lines"
     for value in ("very-secret-value-0001", "session-token-0001", "AKIAEXAMPLEKEYID0001"):
         assert value not in output
+
+
+def test_the_published_cursor_carries_sampler_progress(remote: str, make_config: Callable[..., Config]) -> None:
+    config = make_config(remote, **SMALL, **{"sampler.mix_units": 2})
+    assert SyncDaemon(config, progress=False).run(once=True).reason is StopReason.BUDGET_FULL
+    ledger = _ledger(config)
+    progress = ledger.cursor()["progress"]
+    ledger.close()
+    assert progress["pass"] == 0 and progress["objects_total"] == FILES
+    assert progress["objects_done"] < FILES and progress["objects_done"] % 2 == 0, progress

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -62,21 +63,25 @@ def _assert_rows_intact(table: pa.Table) -> None:
 
 
 def test_ten_percent_faults_every_unit_published_once_or_skipped(
-    s3: Any, bucket: str, proxy: FaultProxy, make_config: Callable[..., Config]
+    s3: Any, bucket: str, proxy: FaultProxy, make_config: Callable[..., Config], caplog: pytest.LogCaptureFixture
 ) -> None:
     write_parquet_dataset(s3, f"{bucket}/data", FILES, ROWS_PER_FILE, ROWS_PER_GROUP)
+    # moto accepts any credentials: these values must appear in none of our log lines
     config = make_config(f"s3://{bucket}/data", **ROOMY, **FAST_RETRIES, **{
-        "source.storage_options": {"key": "testing", "secret": "testing",
+        "source.storage_options": {"key": "AKIAFAULTKEY0003", "secret": "fault-secret-0003",
                                    "client_kwargs": {"endpoint_url": proxy.url}}})
     log = UnitLog()
-    report = log.daemon(config).run(once=True)
+    with caplog.at_level(logging.DEBUG, logger="epochcache"):  # all of ours, as `sync -v` shows
+        report = log.daemon(config).run(once=True)
+    assert "attempt 1 failed" in caplog.text, "retries are logged"
+    assert "fault-secret-0003" not in caplog.text and "AKIAFAULTKEY0003" not in caplog.text
 
     assert report.reason is StopReason.EXHAUSTED
     print("faults injected:", dict(proxy.faults), "of", proxy.requests, "requests")
     assert set(proxy.faults) == set(KINDS), proxy.faults  # the run really went through every kind of fault
     ledger, tables = _cached_rows(config)
     skipped = set(ledger.skipped())
-    counters = ledger.counters()
+    counters, cursor = ledger.counters(), ledger.cursor()
     ledger.close()
     assert len(log.published) == len(set(log.published)), "no unit published twice"
     all_units = {f"{bucket}/data/part-{f:03d}.parquet#{g}" for f in range(FILES) for g in range(GROUPS)}
@@ -85,6 +90,8 @@ def test_ten_percent_faults_every_unit_published_once_or_skipped(
     for _, table in tables:
         _assert_rows_intact(table)
     assert sum(t.num_rows for _, t in tables) == len(log.published) * ROWS_PER_GROUP
+    assert cursor["progress"] == {"pass": 1, "objects_done": 0, "objects_total": None, "node_rank": 0,
+                                  "num_nodes": 1, "units_skipped": report.units_skipped}, "pass 0 done"
 
 
 def test_an_object_deleted_mid_pass_is_skipped_and_the_pass_completes(
