@@ -130,8 +130,9 @@ class SyncDaemon:
         on_publish: Callable[[ShardRecord], None] | None = None,
     ) -> None:
         """``progress``: a bar (None: only on a terminal). ``on_fetch`` / ``on_publish``: hooks
-        called in the daemon's thread with each unit read from the remote and each shard published
-        (metrics, audits); they must be quick."""
+        called with each unit read from the remote (in the daemon's main thread) and each shard
+        published (in its writer thread, before the next shard is written: setting the stop event
+        there publishes nothing more). For metrics and audits; they must be quick."""
         self.config = config
         self.layout = CacheLayout.create(config.cache.dir)
         self.on_fetch, self.on_publish = on_fetch, on_publish
@@ -409,13 +410,17 @@ class _Run:
         return True
 
     def _write(self, table: pa.Table, units: list[str], cursor: dict[str, Any]) -> Published | None:
-        """In the writer thread: publish one shard, unless one before it was refused (then none after
-        it may be published either, or the cursor would jump past the refused shard's units)."""
-        if self.refused.is_set():
+        """In the writer thread: publish one shard, unless the daemon is stopping or a shard before it
+        was refused (then none after it may be published either, or the cursor would jump past the
+        refused shard's units)."""
+        if self.refused.is_set() or self.stop.is_set():  # stopped: queued shards are dropped, like the one built
+            self.refused.set()
             return None
         published = self.publisher.publish(table, units, cursor)
         if published is None:
             self.refused.set()
+        elif self.on_publish is not None:  # here, before the next shard starts: a hook may stop the daemon
+            self.on_publish(published.record)
         return published
 
     def _settle(self) -> bool:
@@ -443,8 +448,6 @@ class _Run:
         self.report.bytes_published += record.nbytes
         self.report.samples_published += record.rows
         self.report.units_published += len(record.units)
-        if self.on_publish is not None:
-            self.on_publish(record)
         self.bar.set_postfix(shards=self.report.shards_published, samples=self.report.samples_published,
                              evicted=self.report.evicted, refresh=False)
         return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -204,3 +205,15 @@ def test_the_published_cursor_carries_sampler_progress(remote: str, make_config:
     ledger.close()
     assert progress["pass"] == 0 and progress["objects_total"] == FILES
     assert progress["objects_done"] < FILES and progress["objects_done"] % 2 == 0, progress
+
+
+def test_a_stop_from_the_publish_hook_publishes_nothing_more(remote: str, make_config: Callable[..., Config]) -> None:
+    config = make_config(remote, **ROOMY, **{"cache.shard_bytes": "64KiB"})  # one unit per shard: many queued
+    stop = threading.Event()
+    report = SyncDaemon(config, progress=False, on_publish=lambda _: stop.set()).run(once=True, stop=stop)
+    ledger = _ledger(config)
+    shards = ledger.shards()
+    ledger.close()
+    assert report.reason is StopReason.STOPPED
+    assert len(shards) == report.shards_published == 1, "shards queued for the writer are dropped on stop"
+    _assert_disk_matches_ledger(config)
