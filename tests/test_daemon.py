@@ -208,7 +208,7 @@ def test_the_published_cursor_carries_sampler_progress(remote: str, make_config:
 
 
 def test_a_stop_from_the_publish_hook_publishes_nothing_more(remote: str, make_config: Callable[..., Config]) -> None:
-    config = make_config(remote, **ROOMY, **{"cache.shard_bytes": "64KiB"})  # one unit per shard: many queued
+    config = make_config(remote, **{**ROOMY, "cache.shard_bytes": "64KiB"})  # one unit per shard: many queued
     stop = threading.Event()
     report = SyncDaemon(config, progress=False, on_publish=lambda _: stop.set()).run(once=True, stop=stop)
     ledger = _ledger(config)
