@@ -53,6 +53,7 @@ class ObjectSource:
         self._rows: dict[str, int] = {}
         if labels is not None and labels != LABELS_FROM_FOLDER:
             self._load_sidecar(labels, storage_options or {})
+        self._check_columns()
 
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
         return f"ObjectSource({self.url!r})"
@@ -83,6 +84,16 @@ class ObjectSource:
         if self.columns is not None:
             table = table.select(self.columns)
         return table.append_column(KEY_COLUMN, pa.array([f"{unit.obj.path}:0"], pa.string()))
+
+    def _check_columns(self) -> None:
+        present = ["data"]
+        if self._labels_from == LABELS_FROM_FOLDER:
+            present.append("label")
+        elif self._sidecar is not None:
+            present.extend(self._sidecar.column_names)
+        missing = [c for c in self.columns or () if c not in present]
+        if missing:
+            raise SourceError(f"source.columns names {missing} that samples of {self.url} lack: they have {present}")
 
     def _load_sidecar(self, url: str, storage_options: dict[str, Any]) -> None:
         suffix = next((s for s in _READERS if url.endswith(s)), None)
