@@ -73,10 +73,6 @@ class Sampler:
         """Indices into ``objects`` (int64) of this node's share of pass ``pass_``, in walk order."""
         return permutation(len(self._objects), self._seed, pass_)[self._rank :: self._nodes]
 
-    def groups(self, pass_: int) -> int:
-        """How many groups this node walks in pass ``pass_``."""
-        return -(-len(self.node_objects(pass_)) // self._mix)
-
     def walk(self, cursor: Cursor) -> Iterator[tuple[Unit, Cursor]]:
         """Yield ``(unit, cursor after it)`` from ``cursor`` to the end of ``cursor.pass_``."""
         mine = self.node_objects(cursor.pass_)
