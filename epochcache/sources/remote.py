@@ -59,7 +59,7 @@ class RemoteFiles:
         try:
             if self.fs.isfile(self.root):
                 pages: Iterator[list[RemoteObject]] = iter([[RemoteObject(self.root, int(self.fs.size(self.root)))]])
-            elif hasattr(self.fs, "_iterdir"):
+            elif "s3" in _protocols(self.fs):
                 pages = self._s3_pages(page_size)
             else:
                 pages = self._find_pages(page_size)
@@ -107,5 +107,9 @@ class RemoteFiles:
         return data
 
     def _url(self, path: str) -> str:
-        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        protocol = _protocols(self.fs)[0]
         return path if protocol in ("file", "local") else f"{protocol}://{path}"
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
