@@ -17,7 +17,7 @@ import yaml
 
 from conftest import DaemonThread, UnitLog, wait_for, write_parquet_dataset
 from epochcache import DaemonRunningError, Ledger, SyncDaemon
-from epochcache.config import Config
+from epochcache.config import Config, load_config
 from epochcache.daemon import StopReason
 from epochcache.layout import TMP_SUFFIX, CacheLayout
 from epochcache.shards import verify_shard
@@ -217,3 +217,15 @@ def test_a_stop_from_the_publish_hook_publishes_nothing_more(remote: str, make_c
     assert report.reason is StopReason.STOPPED
     assert len(shards) == report.shards_published == 1, "shards queued for the writer are dropped on stop"
     _assert_disk_matches_ledger(config)
+
+
+def test_two_nodes_cache_disjoint_halves_of_a_pass(remote: str, tmp_path: Path) -> None:
+    logs = []
+    for rank in (0, 1):
+        config = load_config(None, {"source.url": remote, "cache.dir": str(tmp_path / f"node{rank}"), **ROOMY,
+                                    "sampler.node_rank": rank, "sampler.num_nodes": 2})
+        log = UnitLog()
+        assert log.daemon(config).run(once=True).reason is StopReason.EXHAUSTED
+        logs.append(log.published)
+    assert logs[0] and logs[1] and set(logs[0]).isdisjoint(logs[1]), "no unit fetched by both nodes"
+    assert len(logs[0]) + len(logs[1]) == UNITS
