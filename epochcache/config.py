@@ -52,8 +52,15 @@ def _resolve_local(value: str, info: ValidationInfo) -> str:
 class SourceConfig(_Section):
     """Where the remote dataset lives and how to read it."""
 
-    url: str = Field(description="fsspec URL or local path of a Parquet file or a folder of them")
-    format: Literal["parquet"] = "parquet"
+    url: str = Field(description="fsspec URL or local path of a data file or a folder of them")
+    format: Literal["parquet", "arrow", "webdataset", "objects"] = Field(
+        default="parquet",
+        description="parquet: units are row groups; arrow (IPC/Feather v2): record batches; webdataset: "
+        "tars; objects: one sample per object",
+    )
+    labels: str | None = Field(
+        default=None, description="format objects: 'folder', or a CSV/JSONL/Parquet table of key -> columns"
+    )
     columns: list[str] | None = Field(default=None, min_length=1, description="columns to fetch; null = all")
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments for the fsspec filesystem (s3fs, ...)"
@@ -65,6 +72,18 @@ class SourceConfig(_Section):
         if not value.strip():
             raise ValueError("must not be empty: give an fsspec URL such as s3://bucket/prefix/")
         return _resolve_local(value, info)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return value if value in (None, "folder") else _resolve_local(value, info)
+
+    @model_validator(mode="after")
+    def _labels_need_objects(self) -> SourceConfig:
+        if self.labels is not None and self.format != "objects":
+            raise ValueError(f"labels={self.labels!r} applies only to format 'objects', not {self.format!r}: "
+                             "remove source.labels or set source.format: objects")
+        return self
 
 
 class CacheConfig(_Section):
@@ -117,6 +136,38 @@ class SamplerConfig(_Section):
     max_bytes_per_s: ByteSize | None = Field(
         default=None, gt=0, description="cap on the daemon's intake (decoded Arrow bytes/s); null = none"
     )
+    mix_units: int = Field(default=8, ge=1, le=1024, description="objects whose units are interleaved")
+    node_rank: int | None = Field(default=None, ge=0, description="this node's rank; null = GROUP_RANK or 0")
+    num_nodes: int | None = Field(
+        default=None, ge=1, description="nodes splitting the order; null = WORLD_SIZE/LOCAL_WORLD_SIZE or 1"
+    )
+    max_attempts: int = Field(default=6, ge=1, le=100, description="attempts per remote read")
+    backoff_s: float = Field(default=0.2, gt=0.0, description="first backoff ceiling; doubles per retry")
+    backoff_max_s: float = Field(default=20.0, gt=0.0, description="largest backoff ceiling")
+    request_timeout_s: float = Field(default=60.0, gt=0.0, description="connect/read timeout of one request")
+
+    @model_validator(mode="after")
+    def _rank_below_nodes(self) -> SamplerConfig:
+        if self.node_rank is not None and self.num_nodes is not None and self.node_rank >= self.num_nodes:
+            raise ValueError(
+                f"node_rank={self.node_rank} must be below num_nodes={self.num_nodes}: ranks run 0..num_nodes-1"
+            )
+        return self
+
+    def partition(self, env: Mapping[str, str] | None = None) -> tuple[int, int]:
+        """``(node_rank, num_nodes)``: the configured values, else those torchrun sets in ``env``
+        (``GROUP_RANK``; ``WORLD_SIZE // LOCAL_WORLD_SIZE``), else ``(0, 1)``."""
+        env = os.environ if env is None else env
+        rank = self.node_rank if self.node_rank is not None else int(env.get("GROUP_RANK", 0))
+        nodes = self.num_nodes
+        if nodes is None:
+            nodes = int(env.get("WORLD_SIZE", 1)) // max(1, int(env.get("LOCAL_WORLD_SIZE", 1))) or 1
+        if not 0 <= rank < nodes:
+            raise ConfigError(
+                f"sampler.node_rank={rank} (from config or GROUP_RANK) is not below sampler.num_nodes={nodes}: "
+                "set both, or run under torchrun"
+            )
+        return rank, nodes
 
 
 class LoaderConfig(_Section):

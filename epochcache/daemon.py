@@ -8,42 +8,53 @@ cached shard are skipped, so no sample is ever cached twice, even across passes.
 
 Before a shard is written its exact size is reserved in the ledger, evicting unleased shards by the
 configured policy; if only leased shards could make room the daemon waits (backpressure) rather than
-exceed ``cache.max_bytes``. SIGINT/SIGTERM stop it between units: the shard being built is dropped,
-never published half-written.
+exceed ``cache.max_bytes``. Shards are written and published by one writer thread, in order, while
+the next ones are fetched. SIGINT/SIGTERM stop it between units: the shard being built is dropped,
+never published half-written (shards already handed to the writer are finished).
+
+Faults: every remote call goes through :class:`~epochcache.retry.Retrier` (transient errors retried
+with backoff, counted in the ledger). A unit (or an object's metadata) that still fails, or whose
+object vanished, is recorded in the ledger as skipped and the walk goes on, so a transient outage
+never kills the daemon; at the end of the pass the skipped units are read again. Permanent errors
+(:class:`SourceError`) end the run.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
 import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from types import FrameType
+from typing import Any
 
 import pyarrow as pa
 from tqdm import tqdm
 
 from epochcache.config import Config
-from epochcache.errors import DaemonRunningError
-from epochcache.evict import policy_named
+from epochcache.errors import FetchFailedError, ObjectMissingError
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Ledger, ShardRecord
+from epochcache.listing import PagedListing, store_listing
+from epochcache.lockfile import exclusive
 from epochcache.repair import reconcile
+from epochcache.retry import Retrier, describe
+from epochcache.publisher import Published, Publisher
 from epochcache.sampler import Cursor, Sampler
-from epochcache.publisher import Publisher
 from epochcache.sources import RemoteObject, Source, Unit, open_source
 
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 5.0
+# Shards handed to the writer thread and not yet published: enough to keep fetching while one is
+# written and the next waits, few enough that memory stays ~ (2 + this) * cache.shard_bytes.
+_WRITES_QUEUED = 2
 
 
 class StopReason(str, Enum):
@@ -63,6 +74,7 @@ class SyncReport:
     evicted: int = 0
     units_fetched: int = 0
     units_published: int = 0
+    units_skipped: int = 0
 
 
 @dataclass
@@ -73,6 +85,10 @@ class _Building:
     tables: list[pa.Table] = field(default_factory=list)
     units: list[str] = field(default_factory=list)
     nbytes: int = 0
+
+    def reset(self, cursor: Cursor) -> None:
+        """Start the next shard from ``cursor`` (the previous one was published)."""
+        self.cursor, self.tables, self.units, self.nbytes = cursor, [], [], 0
 
     def add(self, unit: Unit, table: pa.Table) -> None:
         self.tables.append(table)
@@ -112,12 +128,12 @@ class SyncDaemon:
         on_publish: Callable[[ShardRecord], None] | None = None,
     ) -> None:
         """``progress``: a bar (None: only on a terminal). ``on_fetch`` / ``on_publish``: hooks
-        called in the daemon's thread with each unit read from the remote and each shard published
-        (metrics, audits); they must be quick."""
+        called with each unit read from the remote (in the daemon's main thread) and each shard
+        published (in its writer thread, before the next shard is written: setting the stop event
+        there publishes nothing more). For metrics and audits; they must be quick."""
         self.config = config
         self.layout = CacheLayout.create(config.cache.dir)
         self.on_fetch, self.on_publish = on_fetch, on_publish
-        policy_named(config.cache.eviction)  # fail on a bad policy name before taking the lock
         self._progress = progress
 
     def run(self, once: bool = False, stop: threading.Event | None = None) -> SyncReport:
@@ -128,11 +144,12 @@ class SyncDaemon:
         daemon holds this cache dir, :class:`SourceError` on a permanent remote failure.
         """
         stop = stop or threading.Event()
-        with _exclusive(self.layout.lock), _stop_on_signals(stop):
+        with exclusive(self.layout.lock), _stop_on_signals(stop):
             ledger = Ledger(self.layout.ledger)
             try:
                 reconcile(self.layout, ledger)
-                return _Run(self, ledger, open_source(self.config.source), stop, once).execute()
+                source = open_source(self.config.source, self.config.sampler.request_timeout_s)
+                return _Run(self, ledger, source, stop, once).execute()
             finally:
                 ledger.close()
 
@@ -147,6 +164,14 @@ class _Run:
         self.report = SyncReport()
         self.cached = {unit for record in ledger.shards() for unit in record.units}
         self.throttle = _Throttle(self.cfg.sampler.max_bytes_per_s, stop)
+        self.rank, self.nodes = self.cfg.sampler.partition()
+        sampler = self.cfg.sampler
+        self.retrier = Retrier(sampler.max_attempts, sampler.backoff_s, sampler.backoff_max_s, ledger.incr, stop)
+        self.pass_ = 0
+        self.writer: ThreadPoolExecutor  # set by execute(): the one thread that writes and publishes shards
+        self.pending: deque[Future[Published | None]] = deque()
+        self.refused = threading.Event()  # set by the writer thread once a shard was not published
+        self.objects_total: int | None = None
         self.publisher = Publisher(daemon.layout, ledger, self.cfg.cache, stop, evict=not once)
         # disable=None: a bar on a terminal, none when output goes to a file or pipe.
         show = daemon._progress
@@ -155,7 +180,8 @@ class _Run:
 
     def execute(self) -> SyncReport:
         cursor = self._resume()
-        with ThreadPoolExecutor(self.cfg.sampler.concurrency, thread_name_prefix="fetch") as pool:
+        with ThreadPoolExecutor(self.cfg.sampler.concurrency, thread_name_prefix="fetch") as pool, \
+                ThreadPoolExecutor(1, thread_name_prefix="publish") as self.writer:
             try:
                 while not self.stop.is_set():
                     fetched_before = self.report.units_fetched
@@ -164,7 +190,8 @@ class _Run:
                         self.report.reason = reason
                         break
                     cursor = cursor.next_pass()
-                    self.ledger.set_cursor(cursor.to_dict())
+                    self.objects_total = None  # the next pass's listing is not taken yet
+                    self.ledger.set_cursor({**cursor.to_dict(), "progress": self._progress(cursor)})
                     if self.once:
                         self.report.reason = StopReason.EXHAUSTED
                         break
@@ -172,6 +199,7 @@ class _Run:
                         log.info("every unit of the remote is cached; checking again in %.0fs", _IDLE_POLL_S)
                         self.stop.wait(_IDLE_POLL_S)
             finally:
+                self._settle()  # a shard already handed over is finished, never left half-written
                 self.bar.close()
         log.info("sync ended (%s): %d shards, %d samples published", self.report.reason.value,
                  self.report.shards_published, self.report.samples_published)
@@ -179,25 +207,96 @@ class _Run:
 
     def _pass(self, pool: ThreadPoolExecutor, cursor: Cursor) -> StopReason | None:
         """Consume one pass from ``cursor``; None when it completed, else why it stopped early."""
-        sampler = Sampler(self.source, self._objects(cursor.pass_), self.cfg.sampler.seed)
+        self.pass_ = cursor.pass_
+        objects = self._objects(cursor.pass_)
+        if objects is None:
+            return StopReason.STOPPED
+        sampler = Sampler(lambda batch: self._units_of(pool, batch), objects, self.cfg.sampler.seed,
+                          mix=self.cfg.sampler.mix_units, node_rank=self.rank, num_nodes=self.nodes)
+        self.objects_total = len(sampler.node_objects(cursor.pass_))
         building = _Building(cursor)
-        for unit, after, table in self._fetched(pool, sampler.walk(cursor)):
-            if table is not None:
-                if building.tables and building.nbytes + table.nbytes > self.cfg.cache.shard_bytes:
-                    if not self._publish(building):
-                        return self._stop_reason()
-                    building = _Building(building.cursor)
-                building.add(unit, table)
+        walk = sampler.walk(cursor)
+        for unit, after, table in self._fetched(pool, walk):
+            if table is not None and not self._add(building, unit, table):
+                return self._stop_reason()
             building.cursor = after
             if building.nbytes >= self.cfg.cache.shard_bytes:
                 if not self._publish(building):
                     return self._stop_reason()
-                building = _Building(after)
-        if self.stop.is_set():
-            return StopReason.STOPPED
+                building.reset(after)
+        if self.stop.is_set() or not self._settle():
+            return self._stop_reason()
+        for unit, table in self._retry_skipped(cursor.pass_):
+            if not self._add(building, unit, table):
+                return self._stop_reason()
         if building.tables and not self._publish(building):
             return self._stop_reason()
-        return None
+        return None if self._settle() else self._stop_reason()
+
+    def _add(self, building: _Building, unit: Unit, table: pa.Table) -> bool:
+        """Add a unit's rows, first publishing what is built if they would overflow the shard."""
+        if building.tables and building.nbytes + table.nbytes > self.cfg.cache.shard_bytes:
+            if not self._publish(building):
+                return False
+            building.reset(building.cursor)
+        building.add(unit, table)
+        return True
+
+    def _units_of(self, pool: ThreadPoolExecutor, objects: Sequence[RemoteObject]) -> list[Sequence[Unit]]:
+        """The units of ``objects``, their metadata read concurrently. An object whose metadata keeps
+        failing (or is gone) counts as empty for this pass and is recorded, so a restart walks the
+        same order; it is retried at the end of the pass."""
+        skipped = {key for key, info in self.ledger.skipped().items() if info.get("pass") == self.pass_}
+        futures = [
+            None if f"{obj.path}#*" in skipped
+            else pool.submit(self.retrier.call, self.source.units, obj, what=f"metadata of {obj.path}")
+            for obj in objects
+        ]
+        return [self._units_or_skip(obj, future) for obj, future in zip(objects, futures)]
+
+    def _units_or_skip(self, obj: RemoteObject, future: Future[Sequence[Unit]] | None) -> Sequence[Unit]:
+        if future is None:
+            return []
+        try:
+            return future.result()
+        except (FetchFailedError, ObjectMissingError) as exc:
+            self._skip(f"{obj.path}#*", obj, None, exc)
+            return []
+
+    def _skip(self, key: str, obj: RemoteObject, index: int | None, exc: Exception) -> None:
+        """Record a unit (or a whole object: ``index`` None) that failed, for the retry at pass end."""
+        log.warning("skipping %s for now: %s", key, describe(exc))
+        self.report.units_skipped += 1
+        self.ledger.incr("units_skipped")
+        self.ledger.set_skipped(key, {"path": obj.path, "size": obj.size, "index": index, "pass": self.pass_,
+                                      "error": describe(exc)})
+
+    def _retry_skipped(self, pass_: int) -> Iterator[tuple[Unit, pa.Table]]:
+        """Yield the rows of this pass's skipped units that read now; forget those whose object is gone;
+        a unit failing again stays recorded and is counted, and the pass moves on without it."""
+        for key, info in self.ledger.skipped().items():
+            if info.get("pass") != pass_ or info.get("final") or self.stop.is_set():
+                continue
+            obj = RemoteObject(info["path"], info["size"])
+            try:
+                units = self.retrier.call(self.source.units, obj, what=f"metadata of {obj.path}")
+                wanted = units if info["index"] is None else [units[info["index"]]]
+                for unit in wanted:
+                    if unit.key not in self.cached:
+                        yield unit, self._read(unit)
+            except ObjectMissingError as exc:
+                log.warning("dropping %s: %s", key, describe(exc))
+                self.ledger.incr("objects_missing")
+            except FetchFailedError as exc:
+                log.warning("%s failed again at the end of pass %d: %s", key, pass_, describe(exc))
+                self.ledger.set_skipped(key, {**info, "final": True, "error": describe(exc)})
+                continue
+            self.ledger.drop_skipped(key)
+
+    def _read(self, unit: Unit) -> pa.Table:
+        table = self.retrier.call(self.source.read, unit, what=f"{unit.key}")
+        self._count_fetch(unit, table)
+        return table
 
     def _stop_reason(self) -> StopReason:
         return StopReason.STOPPED if self.stop.is_set() else StopReason.BUDGET_FULL
@@ -206,27 +305,42 @@ class _Run:
         """The cursor to go on from: the ledger's, unless it was left by another remote order."""
         listing = self.ledger.listing()
         if listing and listing.get("order") != self._order():
-            log.warning("source.url, source.columns or sampler.seed changed since the last run: "
+            log.warning("source.url, source.columns, sampler.seed, sampler.mix_units or the node partition "
+                        "changed since the last run: "
                         "starting a new order from its first pass; cached shards rotate out as usual")
             self.ledger.set_listing({})
+            self.ledger.drop_listing_pages()
             self.ledger.set_cursor(Cursor().to_dict())
             return Cursor()
         return Cursor.from_dict(self.ledger.cursor())
 
     def _order(self) -> list[object]:
         """What fixes the remote order; a cursor is meaningless under another one."""
-        return [self.cfg.source.url, self.cfg.source.columns, self.cfg.sampler.seed]
+        sampler = self.cfg.sampler
+        source = self.cfg.source
+        return ["v2", source.url, source.format, source.columns, source.labels, sampler.seed, sampler.mix_units,
+                self.rank, self.nodes]
 
-    def _objects(self, pass_: int) -> list[RemoteObject]:
-        """The listing this pass walks: taken once per pass and kept in the ledger across restarts."""
-        listing = self.ledger.listing()
-        if not listing or listing["pass"] != pass_:
-            objects = self.source.list_objects()
-            self.ledger.set_listing(
-                {"order": self._order(), "pass": pass_, "objects": [(o.path, o.size) for o in objects]}
-            )
-            return objects
-        return [RemoteObject(path, size) for path, size in listing["objects"]]
+    def _objects(self, pass_: int) -> PagedListing | None:
+        """The listing this pass walks: streamed into the ledger once per pass and reopened from it
+        across restarts. A listing that keeps failing is tried again after a pause; None once stopped."""
+        header = self.ledger.listing()
+        if header and header.get("pass") == pass_:
+            stored = PagedListing.open(self.ledger, header)
+            if stored is not None:
+                return stored
+        while not self.stop.is_set():
+            try:
+                return self.retrier.call(self._list, pass_, what=f"listing of {self.source.url}")
+            except FetchFailedError as exc:
+                log.warning("%s; trying again in %.0fs", exc, self.cfg.sampler.backoff_max_s)
+                self.stop.wait(self.cfg.sampler.backoff_max_s)
+        return None
+
+    def _list(self, pass_: int) -> PagedListing:
+        listing = store_listing(self.ledger, self.source.scan_objects(), {"order": self._order(), "pass": pass_})
+        log.info("listed %d objects under %s for pass %d", len(listing), self.source.url, pass_)
+        return listing
 
     def _fetched(
         self, pool: ThreadPoolExecutor, walk: Iterator[tuple[Unit, Cursor]]
@@ -237,7 +351,8 @@ class _Run:
         limit = 2 * self.cfg.sampler.concurrency
         try:
             for unit, after in walk:
-                future = None if unit.key in self.cached else pool.submit(self.source.read, unit)
+                future = None if unit.key in self.cached else pool.submit(
+                    self.retrier.call, self.source.read, unit, what=unit.key)
                 window.append((unit, after, future))
                 while len(window) >= limit or (window and window[0][2] is None):
                     yield self._complete(*window.popleft())
@@ -253,21 +368,73 @@ class _Run:
     def _complete(
         self, unit: Unit, after: Cursor, future: Future[pa.Table] | None
     ) -> tuple[Unit, Cursor, pa.Table | None]:
+        """The unit's table; None if it is cached, or if it failed and was recorded as skipped."""
         if future is None:
             return unit, after, None
-        table = future.result()
+        try:
+            table = future.result()
+        except (FetchFailedError, ObjectMissingError) as exc:
+            self._skip(unit.key, unit.obj, unit.index, exc)
+            return unit, after, None
+        self._count_fetch(unit, table)
+        return unit, after, table
+
+    def _count_fetch(self, unit: Unit, table: pa.Table) -> None:
         self.report.units_fetched += 1
         if self.on_fetch is not None:
             self.on_fetch(unit)
         self.bar.update(table.nbytes)
         self.throttle.consume(table.nbytes)
-        return unit, after, table
+
+    def _progress(self, cursor: Cursor) -> dict[str, int | None]:
+        """What ``epochcache status`` shows as sampler progress (this node's share of the pass)."""
+        total = self.objects_total
+        done = cursor.group * self.cfg.sampler.mix_units
+        return {"pass": cursor.pass_, "objects_done": done if total is None else min(done, total),
+                "objects_total": total, "node_rank": self.rank, "num_nodes": self.nodes,
+                "units_skipped": self.report.units_skipped}
 
     def _publish(self, building: _Building) -> bool:
-        """Write ``building`` as one shard and publish it; False if stopped or the budget is full."""
-        published = self.publisher.publish(pa.concat_tables(building.tables), building.units,
-                                           building.cursor.to_dict())
+        """Hand ``building`` to the writer thread as one shard, once fewer than ``_WRITES_QUEUED`` wait
+        there; False if a shard before it was not published (stopped, or the budget is full). Writing
+        shards thus overlaps fetching and decoding the next ones, and shards are still published in
+        order, one at a time, each with the cursor just past its last unit."""
+        while len(self.pending) >= _WRITES_QUEUED:
+            if not self._settle_one():
+                return False
+        cursor = {**building.cursor.to_dict(), "progress": self._progress(building.cursor)}
+        self.pending.append(self.writer.submit(self._write, pa.concat_tables(building.tables), building.units, cursor))
+        return True
+
+    def _write(self, table: pa.Table, units: list[str], cursor: dict[str, Any]) -> Published | None:
+        """In the writer thread: publish one shard, unless the daemon is stopping or a shard before it
+        was refused (then none after it may be published either, or the cursor would jump past the
+        refused shard's units)."""
+        if self.refused.is_set() or self.stop.is_set():  # stopped: queued shards are dropped, like the one built
+            self.refused.set()
+            return None
+        published = self.publisher.publish(table, units, cursor)
         if published is None:
+            self.refused.set()
+        elif self.on_publish is not None:  # here, before the next shard starts: a hook may stop the daemon
+            self.on_publish(published.record)
+        return published
+
+    def _settle(self) -> bool:
+        """Wait for every shard in the writer thread; False if one was not published (and then the
+        ones after it are dropped unpublished: the cursor never jumps past a shard that is missing)."""
+        while self.pending:
+            if not self._settle_one():
+                return False
+        return True
+
+    def _settle_one(self) -> bool:
+        """Wait for the oldest shard in the writer thread and account for it; False if it was not published."""
+        published = self.pending.popleft().result()
+        if published is None:
+            for later in self.pending:  # each returns None unpublished if it is already running
+                later.cancel()
+            self.pending.clear()
             return False
         record = published.record
         for victim in published.evicted:
@@ -278,31 +445,9 @@ class _Run:
         self.report.bytes_published += record.nbytes
         self.report.samples_published += record.rows
         self.report.units_published += len(record.units)
-        if self.on_publish is not None:
-            self.on_publish(record)
         self.bar.set_postfix(shards=self.report.shards_published, samples=self.report.samples_published,
                              evicted=self.report.evicted, refresh=False)
         return True
-
-
-@contextmanager
-def _exclusive(lock_path: os.PathLike[str]) -> Iterator[None]:
-    """Hold an exclusive flock on ``lock_path`` (the kernel drops it if the process dies)."""
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise DaemonRunningError(
-                f"another epochcache sync (pid {owner}) already runs on {os.path.dirname(lock_path)}: "
-                "stop it first, or give this one its own cache.dir"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
-    finally:
-        os.close(fd)
 
 
 @contextmanager

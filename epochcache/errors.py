@@ -5,6 +5,8 @@
     EpochcacheError                 every error of ours; the CLI prints it as one line, exit code 2
     ├── ConfigError                 config.yaml, environment or flags hold a bad key or value
     ├── SourceError                 the remote cannot be listed or read (permanent: no retry helps)
+    │   └── ObjectMissingError      a listed object is gone (deleted mid-pass): skipped, not fatal
+    ├── FetchFailedError            a remote read kept failing with transient errors (retried later)
     ├── CacheError                  the local cache cannot do what was asked
     │   ├── BudgetError             cache.max_bytes cannot hold what it must
     │   ├── DaemonRunningError      another sync daemon already owns the cache dir
@@ -29,6 +31,15 @@ class ConfigError(EpochcacheError):
 
 class SourceError(EpochcacheError):
     """The remote dataset cannot be listed or read."""
+
+
+class ObjectMissingError(SourceError):
+    """An object of the listing no longer exists; the daemon skips it for the rest of the pass."""
+
+
+class FetchFailedError(EpochcacheError):
+    """A remote read failed with transient errors on every attempt; the daemon records the unit as
+    skipped and retries it at the end of the pass."""
 
 
 class CacheError(EpochcacheError):

@@ -139,7 +139,7 @@ class Ledger:
         """All published shards, oldest first."""
         return sorted(self._records(), key=by_age)
 
-    def publish(self, record: ShardRecord, cursor: dict[str, int] | None = None) -> None:
+    def publish(self, record: ShardRecord, cursor: dict[str, Any] | None = None) -> None:
         """Make ``record`` visible, move the cursor past its units and free the reservation, atomically."""
         with self._cache.transact(retry=True):
             self._cache.set(_SHARD + record.id, asdict(record))
@@ -316,10 +316,10 @@ class Ledger:
 
     # -- sampler state --------------------------------------------------------------------------
 
-    def cursor(self) -> dict[str, int] | None:
+    def cursor(self) -> dict[str, Any] | None:
         return self._cache.get(_CURSOR, retry=True)
 
-    def set_cursor(self, cursor: dict[str, int]) -> None:
+    def set_cursor(self, cursor: dict[str, Any]) -> None:
         self._cache.set(_CURSOR, dict(cursor), retry=True)
 
     def listing(self) -> dict[str, Any] | None:
@@ -336,6 +336,37 @@ class Ledger:
 
     def set_daemon_state(self, state: dict[str, Any]) -> None:
         self._cache.set(_DAEMON, dict(state), retry=True)
+
+    # Units the daemon skipped after their reads kept failing: ``"skipped:<unit key>"`` -> a dict
+    # ``{"path", "size", "index", "pass", "error"}`` (``index`` None: the object's metadata failed).
+
+    def skipped(self) -> dict[str, dict[str, Any]]:
+        """Every recorded skipped unit, by unit key."""
+        return {
+            key[len("skipped:") :]: self._cache.get(key)
+            for key in self._cache.iterkeys()
+            if isinstance(key, str) and key.startswith("skipped:")
+        }
+
+    def set_skipped(self, unit_key: str, info: dict[str, Any]) -> None:
+        self._cache.set("skipped:" + unit_key, dict(info), retry=True)
+
+    def drop_skipped(self, unit_key: str) -> None:
+        self._cache.delete("skipped:" + unit_key, retry=True)
+
+    # The remote listing in pages, written as the listing streams in: ``"listing_page:<n>"`` -> a list
+    # of ``(path, size)``; ``set_listing`` holds its header (which pass, how many objects, page starts).
+
+    def listing_page(self, number: int) -> list[tuple[str, int]] | None:
+        return self._cache.get(f"listing_page:{number}", retry=True)
+
+    def set_listing_page(self, number: int, objects: list[tuple[str, int]]) -> None:
+        self._cache.set(f"listing_page:{number}", objects, retry=True)
+
+    def drop_listing_pages(self) -> None:
+        for key in list(self._cache.iterkeys()):
+            if isinstance(key, str) and key.startswith("listing_page:"):
+                self._cache.delete(key, retry=True)
 
     # -- counters -------------------------------------------------------------------------------
 

@@ -1,60 +1,97 @@
 """A deterministic, seekable order over every unit of the remote set, one pass at a time.
 
-Two levels, so nothing beyond object names is listed up front: pass ``p`` visits the objects in the
-permutation drawn from ``(seed, p)``, and within object ``i`` its units in the permutation drawn from
-``(seed, p, i)``. Each unit appears exactly once per pass (without replacement); each pass has a fresh
-order. A :class:`Cursor` names the next position, so a restarted daemon resumes exactly where the
-last published shard ended: it neither repeats nor skips units.
+Pass ``p`` visits the objects in the permutation drawn from ``(seed, p)``. Node ``r`` of ``n`` takes
+the positions ``r, r + n, r + 2n, ...`` of that permutation, so two nodes never fetch the same unit in
+a pass. A node's objects are walked in *groups* of ``mix`` consecutive objects: the units of each
+object are permuted by ``(seed, p, object)`` and the group's objects are interleaved round-robin, so
+consecutive units (and so every shard) come from up to ``mix`` different objects, never one
+contiguous slice of the remote. Only the group being walked has its metadata (Parquet footers) read,
+all at once, so nothing beyond object names is listed up front.
+
+Each unit appears exactly once per pass (without replacement); each pass has a fresh order. A
+:class:`Cursor` names the next position, so a restarted daemon resumes exactly where the last
+published shard ended: it neither repeats nor skips units.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from epochcache.seeding import permutation
-from epochcache.sources.base import RemoteObject, Source, Unit
+from epochcache.sources.base import RemoteObject, Unit
+
+# Reads the units of several objects at once (their footers, concurrently); same order as given.
+UnitsOf = Callable[[Sequence[RemoteObject]], list[Sequence[Unit]]]
 
 
 @dataclass(frozen=True)
 class Cursor:
-    """The next position of the order: pass, index into the pass's object order, index into the
-    current object's unit order."""
+    """The next position of the order: pass, group of the node's objects, step within the group's
+    interleaved unit sequence."""
 
     pass_: int = 0
-    obj: int = 0
-    unit: int = 0
+    group: int = 0
+    step: int = 0
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return {"pass": self.pass_, "group": self.group, "step": self.step}
 
     @classmethod
-    def from_dict(cls, data: dict[str, int] | None) -> Cursor:
-        return cls(**data) if data else cls()
+    def from_dict(cls, data: dict[str, Any] | None) -> Cursor:
+        """The cursor saved by :meth:`to_dict` (extra keys such as ``progress`` are ignored)."""
+        if not data:
+            return cls()
+        return cls(int(data["pass"]), int(data["group"]), int(data["step"]))
 
     def next_pass(self) -> Cursor:
         return Cursor(pass_=self.pass_ + 1)
 
 
 class Sampler:
-    """Walks one pass over ``objects`` of ``source`` in the order fixed by ``seed``."""
+    """Walks one pass over this node's share of ``objects`` in the order fixed by ``seed``."""
 
-    def __init__(self, source: Source, objects: Sequence[RemoteObject], seed: int) -> None:
-        self._source = source
+    def __init__(
+        self,
+        units_of: UnitsOf,
+        objects: Sequence[RemoteObject],
+        seed: int,
+        *,
+        mix: int = 8,
+        node_rank: int = 0,
+        num_nodes: int = 1,
+    ) -> None:
+        self._units_of = units_of
         self._objects = objects
-        self._seed = seed
+        self._seed, self._mix = seed, mix
+        self._rank, self._nodes = node_rank, num_nodes
+
+    def node_objects(self, pass_: int) -> np.ndarray:
+        """Indices into ``objects`` (int64) of this node's share of pass ``pass_``, in walk order."""
+        return permutation(len(self._objects), self._seed, pass_)[self._rank :: self._nodes]
 
     def walk(self, cursor: Cursor) -> Iterator[tuple[Unit, Cursor]]:
-        """Yield ``(unit, cursor after it)`` from ``cursor`` to the end of ``cursor.pass_``.
+        """Yield ``(unit, cursor after it)`` from ``cursor`` to the end of ``cursor.pass_``."""
+        mine = self.node_objects(cursor.pass_)
+        for group in range(cursor.group, -(-len(mine) // self._mix)):
+            members = mine[group * self._mix : (group + 1) * self._mix]
+            sequence = self._interleave(cursor.pass_, members)
+            first = cursor.step if group == cursor.group else 0
+            for step in range(first, len(sequence)):
+                after = Cursor(cursor.pass_, group, step + 1)
+                if step + 1 == len(sequence):
+                    after = Cursor(cursor.pass_, group + 1)
+                yield sequence[step], after
 
-        Object metadata (a Parquet footer) is read only when the walk reaches that object.
-        """
-        order = permutation(len(self._objects), self._seed, cursor.pass_)
-        for position in range(cursor.obj, len(self._objects)):
-            obj_index = int(order[position])
-            units = self._source.units(self._objects[obj_index])
-            unit_order = permutation(len(units), self._seed, cursor.pass_, obj_index)
-            first = cursor.unit if position == cursor.obj else 0
-            for j in range(first, len(units)):
-                after = Cursor(cursor.pass_, position, j + 1) if j + 1 < len(units) else Cursor(cursor.pass_, position + 1)
-                yield units[int(unit_order[j])], after
+    def _interleave(self, pass_: int, members: np.ndarray) -> list[Unit]:
+        """The units of ``members``, each object's permuted, taken round-robin across objects."""
+        per_object = self._units_of([self._objects[int(i)] for i in members])
+        shuffled = [
+            [units[int(j)] for j in permutation(len(units), self._seed, pass_, int(index))]
+            for index, units in zip(members, per_object)
+        ]
+        longest = max((len(units) for units in shuffled), default=0)
+        return [units[k] for k in range(longest) for units in shuffled if k < len(units)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ import yaml
 
 from conftest import DaemonThread, UnitLog, wait_for, write_parquet_dataset
 from epochcache import DaemonRunningError, Ledger, SyncDaemon
-from epochcache.config import Config
+from epochcache.config import Config, load_config
 from epochcache.daemon import StopReason
 from epochcache.layout import TMP_SUFFIX, CacheLayout
 from epochcache.shards import verify_shard
@@ -194,3 +195,37 @@ def test_verbose_logging_never_shows_credentials(
     assert "DEBUG epochcache" in output, "verbose mode shows our own debug lines"
     for value in ("very-secret-value-0001", "session-token-0001", "AKIAEXAMPLEKEYID0001"):
         assert value not in output
+
+
+def test_the_published_cursor_carries_sampler_progress(remote: str, make_config: Callable[..., Config]) -> None:
+    config = make_config(remote, **SMALL, **{"sampler.mix_units": 2})
+    assert SyncDaemon(config, progress=False).run(once=True).reason is StopReason.BUDGET_FULL
+    ledger = _ledger(config)
+    progress = ledger.cursor()["progress"]
+    ledger.close()
+    assert progress["pass"] == 0 and progress["objects_total"] == FILES
+    assert progress["objects_done"] < FILES and progress["objects_done"] % 2 == 0, progress
+
+
+def test_a_stop_from_the_publish_hook_publishes_nothing_more(remote: str, make_config: Callable[..., Config]) -> None:
+    config = make_config(remote, **{**ROOMY, "cache.shard_bytes": "64KiB"})  # one unit per shard: many queued
+    stop = threading.Event()
+    report = SyncDaemon(config, progress=False, on_publish=lambda _: stop.set()).run(once=True, stop=stop)
+    ledger = _ledger(config)
+    shards = ledger.shards()
+    ledger.close()
+    assert report.reason is StopReason.STOPPED
+    assert len(shards) == report.shards_published == 1, "shards queued for the writer are dropped on stop"
+    _assert_disk_matches_ledger(config)
+
+
+def test_two_nodes_cache_disjoint_halves_of_a_pass(remote: str, tmp_path: Path) -> None:
+    logs = []
+    for rank in (0, 1):
+        config = load_config(None, {"source.url": remote, "cache.dir": str(tmp_path / f"node{rank}"), **ROOMY,
+                                    "sampler.node_rank": rank, "sampler.num_nodes": 2})
+        log = UnitLog()
+        assert log.daemon(config).run(once=True).reason is StopReason.EXHAUSTED
+        logs.append(log.published)
+    assert logs[0] and logs[1] and set(logs[0]).isdisjoint(logs[1]), "no unit fetched by both nodes"
+    assert len(logs[0]) + len(logs[1]) == UNITS

@@ -3,12 +3,34 @@
 from __future__ import annotations
 
 from epochcache.config import SourceConfig
+from epochcache.retry import single_attempt_options
+from epochcache.sources.arrow import ArrowSource
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Source, Unit
+from epochcache.sources.objects import ObjectSource
 from epochcache.sources.parquet import ParquetSource
+from epochcache.sources.webdataset import WebDatasetSource
 
-__all__ = ["KEY_COLUMN", "ParquetSource", "RemoteObject", "Source", "Unit", "open_source"]
+__all__ = [
+    "KEY_COLUMN",
+    "ArrowSource",
+    "ObjectSource",
+    "ParquetSource",
+    "RemoteObject",
+    "Source",
+    "Unit",
+    "WebDatasetSource",
+    "open_source",
+]
 
 
-def open_source(config: SourceConfig) -> Source:
-    """Build the source that ``config.format`` names (validated by the config model)."""
-    return ParquetSource(config.url, columns=config.columns, storage_options=config.storage_options)
+def open_source(config: SourceConfig, request_timeout_s: float = 60.0) -> Source:
+    """Build the source that ``config.format`` names (validated by the config model), making one
+    attempt per request with ``request_timeout_s`` (retries are :mod:`epochcache.retry`'s)."""
+    options = single_attempt_options(config.url, config.storage_options, request_timeout_s)
+    if config.format == "objects":
+        return ObjectSource(config.url, columns=config.columns, storage_options=options, labels=config.labels)
+    if config.format == "arrow":
+        return ArrowSource(config.url, columns=config.columns, storage_options=options)
+    if config.format == "webdataset":
+        return WebDatasetSource(config.url, columns=config.columns, storage_options=options)
+    return ParquetSource(config.url, columns=config.columns, storage_options=options)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,14 +23,15 @@ class RemoteObject:
 class Unit:
     """The smallest piece read in one go: a Parquet row group, say.
 
-    ``obj``: the object it belongs to; ``index``: the unit's number within the object; ``row_offset``: the
-    object-wide index of its first row; ``nbytes``: the uncompressed size estimate from metadata.
+    ``obj``: the object it belongs to; ``index``: the unit's number within the object; ``rows`` and
+    ``row_offset`` (the object-wide index of its first row): None where the format's metadata does not
+    tell them before the unit is read (Arrow IPC); ``nbytes``: the size estimate from metadata.
     """
 
     obj: RemoteObject
     index: int
-    rows: int
-    row_offset: int
+    rows: int | None
+    row_offset: int | None
     nbytes: int
 
     @property
@@ -50,6 +51,11 @@ class Source(Protocol):
 
     def list_objects(self) -> list[RemoteObject]:
         """All objects of the dataset, sorted by path (the sampler's permutations rely on the order)."""
+        ...
+
+    def scan_objects(self) -> Iterator[list[RemoteObject]]:
+        """The objects of :meth:`list_objects` in pages, streamed where the store allows (S3): a
+        listing of any size in bounded memory."""
         ...
 
     def units(self, obj: RemoteObject) -> Sequence[Unit]:

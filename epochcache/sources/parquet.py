@@ -2,17 +2,17 @@
 
 Flow: ``list_objects`` lists ``*.parquet``/``*.parq`` under the URL (or the one file it names);
 ``units`` reads an object's footer (one ranged GET of its tail, a second only for footers over
-64 KiB) and caches the parsed metadata; ``read`` fetches the byte range spanning the wanted column
-chunks of one row group in a single ranged GET and decodes it with pyarrow.
+64 KiB) and caches the parsed metadata; ``read`` fetches the wanted column chunks of one row group,
+one ranged GET per run of neighbouring chunks (a single GET when all columns are wanted), and
+decodes them with pyarrow.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -21,12 +21,16 @@ from fsspec.parquet import AlreadyBufferedFile
 
 from epochcache.errors import SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
+from epochcache.sources.remote import RemoteFiles
 
 _SUFFIXES = (".parquet", ".parq")
 # pyarrow reads this much of the tail in its first footer read; serving it from one GET keeps
 # footer parsing to a single request for typical files.
 _TAIL_BYTES = 64 * 1024
 _FOOTER_CACHE = 256
+# Unwanted bytes between two wanted column chunks below this are read through rather than asked
+# for in a second request (a request costs about as much as this many bytes on a fast link).
+_GAP_BYTES = 1 << 20
 
 
 class ParquetSource:
@@ -42,28 +46,17 @@ class ParquetSource:
             raise SourceError("source.columns is an empty list: name at least one column, or null for all")
         self.url = url
         self.columns = list(columns) if columns is not None else None
-        self._fs, self._root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self._remote = RemoteFiles(url, storage_options)
         self._metadata = functools.lru_cache(maxsize=_FOOTER_CACHE)(self._read_metadata)
 
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
         return f"ParquetSource({self.url!r})"
 
     def list_objects(self) -> list[RemoteObject]:
-        try:
-            if self._fs.isfile(self._root):
-                found = {self._root: self._fs.info(self._root)}
-            else:
-                found = self._fs.find(self._root, detail=True)
-        except (FileNotFoundError, PermissionError) as exc:
-            raise SourceError(f"cannot list {self.url}: {type(exc).__name__}: {exc}") from exc
-        objects = [
-            RemoteObject(path=path, size=int(info["size"]))
-            for path, info in found.items()
-            if path.endswith(_SUFFIXES) and info.get("type", "file") == "file"
-        ]
-        if not objects:
-            raise SourceError(f"no Parquet files (*.parquet, *.parq) under {self.url}: check source.url")
-        return sorted(objects, key=lambda o: o.path)
+        return self._remote.list_all(_SUFFIXES, "Parquet")
+
+    def scan_objects(self) -> Iterator[list[RemoteObject]]:
+        return self._remote.scan(_SUFFIXES, "Parquet")
 
     def units(self, obj: RemoteObject) -> list[Unit]:
         metadata = self._metadata(obj)
@@ -76,11 +69,12 @@ class ParquetSource:
 
     def read(self, unit: Unit) -> pa.Table:
         metadata = self._metadata(unit.obj)
-        start, end = self._byte_range(metadata, unit.index)
-        data = self._fetch(unit.obj.path, start, end)
-        f = _buffered(unit.obj.path, unit.obj.size, {(start, end): data})
+        parts = {(start, end): self._fetch(unit.obj.path, start, end)
+                 for start, end in self._byte_ranges(metadata, unit.index)}
+        f = _buffered(unit.obj.path, unit.obj.size, parts)
         table = pq.ParquetFile(f, metadata=metadata).read_row_group(unit.index, columns=self.columns)
-        rows = pa.array(np.arange(unit.row_offset, unit.row_offset + unit.rows, dtype=np.int64))
+        first = sum(metadata.row_group(i).num_rows for i in range(unit.index))
+        rows = pa.array(np.arange(first, first + table.num_rows, dtype=np.int64))
         keys = pc.binary_join_element_wise(f"{unit.obj.path}:", pc.cast(rows, pa.string()), "")
         return table.append_column(KEY_COLUMN, keys)
 
@@ -90,6 +84,8 @@ class ParquetSource:
         if len(tail) < 8 or tail[-4:] != b"PAR1":
             raise SourceError(f"{obj.path} is not a Parquet file (no PAR1 magic at its end)")
         needed = int.from_bytes(tail[-8:-4], "little") + 8
+        if needed > obj.size:
+            raise SourceError(f"{obj.path} is not a Parquet file (its footer length {needed} exceeds its size)")
         if needed > len(tail):
             tail_start = obj.size - needed
             tail = self._fetch(obj.path, tail_start, obj.size)
@@ -110,8 +106,10 @@ class ParquetSource:
                 f"source.columns names {missing} absent from {path}: present are {sorted(present)}"
             )
 
-    def _byte_range(self, metadata: pq.FileMetaData, index: int) -> tuple[int, int]:
-        """The span of file bytes holding row group ``index``'s chunks of the wanted columns."""
+    def _byte_ranges(self, metadata: pq.FileMetaData, index: int) -> list[tuple[int, int]]:
+        """The spans of file bytes holding row group ``index``'s chunks of the wanted columns, one per
+        run of neighbouring chunks: unwanted columns between two runs are skipped, not downloaded,
+        unless the gap is smaller than :data:`_GAP_BYTES` (cheaper to read than to ask twice)."""
         group = metadata.row_group(index)
         spans = []
         for leaf in _leaf_columns(metadata, self.columns):
@@ -120,13 +118,16 @@ class ParquetSource:
             if chunk.has_dictionary_page and chunk.dictionary_page_offset:
                 start = min(start, chunk.dictionary_page_offset)
             spans.append((start, start + chunk.total_compressed_size))
-        return min(s for s, _ in spans), max(e for _, e in spans)
+        runs: list[tuple[int, int]] = []
+        for start, end in sorted(spans):
+            if runs and start - runs[-1][1] <= _GAP_BYTES:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], end))
+            else:
+                runs.append((start, end))
+        return runs
 
     def _fetch(self, path: str, start: int, end: int) -> bytes:
-        try:
-            return self._fs.cat_file(path, start=start, end=end)
-        except (FileNotFoundError, PermissionError) as exc:
-            raise SourceError(f"cannot read {path} bytes {start}-{end}: {type(exc).__name__}: {exc}") from exc
+        return self._remote.fetch(path, start, end)
 
 
 def _buffered(path: str, size: int, parts: dict[tuple[int, int], bytes]) -> AlreadyBufferedFile:
@@ -144,7 +145,8 @@ def _leaf_columns(metadata: pq.FileMetaData, columns: Sequence[str] | None) -> l
     """
     schema = metadata.schema.to_arrow_schema()
     wanted = set(schema.names if columns is None else columns)
-    leaves, first = [], 0
+    leaves: list[int] = []
+    first = 0
     for field in schema:
         count = _leaf_count(field.type)
         if field.name in wanted:

@@ -1,0 +1,181 @@
+"""Ingest benchmark: the sync daemon's MB/s against the raw ceiling of the same server.
+
+A moto S3 server runs on loopback in a child process (so it does not share our GIL). We upload
+``--size-mb`` of Parquet (incompressible binary samples, row groups of ``--row-group-mb``), then, in
+the same run against the same server, measure:
+
+- ceiling: plain concurrent ranged GETs (s3fs ``cat_file``) of exactly the row groups' bytes, with
+  ``--concurrency`` threads, nothing decoded or written;
+- ingest: ``SyncDaemon.run(once=True)`` with ``sampler.concurrency = --concurrency`` into a fresh
+  cache with room for everything: list, footers, GETs, decode, shard write (fsync) and publish.
+
+MB/s counts the same remote bytes (the row groups' spans) in both, 10**6 bytes per MB. Prints a table
+and writes JSON to ``benchmarks/results/ingest.json``. Usage: ``python benchmarks/ingest.py
+[--size-mb 500] [--row-group-mb 8] [--file-mb 64] [--concurrency 8] [--rounds 3]``; ceiling and ingest
+are measured in interleaved rounds and the medians reported, as other load on the machine varies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import s3fs
+
+from epochcache import SyncDaemon, SyncReport, load_config
+
+SAMPLE_BYTES = 16 * 1024
+RESULTS = Path(__file__).resolve().parent / "results"
+_SERVER = (
+    "from moto.server import ThreadedMotoServer; import logging, sys\n"
+    "logging.getLogger('werkzeug').setLevel(logging.ERROR)\n"
+    "s = ThreadedMotoServer(ip_address='127.0.0.1', port=0); s.start()\n"
+    "print('PORT', s.get_host_and_port()[1], flush=True); sys.stdin.read()\n"
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mb", type=float, default=500.0, help="remote data size (default 500)")
+    parser.add_argument("--row-group-mb", type=float, default=8.0, help="row group size (default 8)")
+    parser.add_argument("--file-mb", type=float, default=64.0, help="Parquet file size (default 64)")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported (default 3)")
+    parser.add_argument("--cache-parent", default=None,
+                        help="folder to create the cache dirs in (default: the system temp folder)")
+    args = parser.parse_args()
+    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        lines = iter(server.stdout.readline, "")  # type: ignore[union-attr]
+        port = next(line.split()[1] for line in lines if line.startswith("PORT "))
+        endpoint = f"http://127.0.0.1:{port}"
+        result = run(endpoint, args)
+    finally:
+        server.kill()
+        server.wait()
+    print_table(result)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "ingest.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {RESULTS / 'ingest.json'}")
+
+
+def run(endpoint: str, args: argparse.Namespace) -> dict[str, object]:
+    options = {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": endpoint}}
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+    fs.mkdir("bench")
+    spans = upload(fs, "bench/data", args)
+    remote_bytes = sum(end - start for _, start, end in spans)
+    ceilings, ingests, report = [], [], None
+    for _ in range(args.rounds):  # interleaved, so load from elsewhere on the machine hits both alike
+        ceilings.append(raw_gets(fs, spans, args.concurrency))
+        seconds, report = ingest_once(options, remote_bytes, args.concurrency, args.cache_parent)
+        ingests.append(seconds)
+    ceiling_s, ingest_s = statistics.median(ceilings), statistics.median(ingests)
+    ceiling, ingest = remote_bytes / ceiling_s / 1e6, remote_bytes / ingest_s / 1e6
+    return {
+        "size_mb": round(remote_bytes / 1e6, 1), "row_groups": len(spans), "concurrency": args.concurrency,
+        "rounds": args.rounds, "ingest_mb_s": round(ingest, 1), "ceiling_mb_s": round(ceiling, 1),
+        "ratio": round(ingest / ceiling, 3), "ingest_s": round(ingest_s, 2), "ceiling_s": round(ceiling_s, 2),
+        "ingest_s_rounds": [round(s, 2) for s in ingests], "ceiling_s_rounds": [round(s, 2) for s in ceilings],
+        "cache_parent": args.cache_parent or tempfile.gettempdir(),
+        "units_published": report.units_published, "samples_published": report.samples_published,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+    }
+
+
+def ingest_once(
+    options: dict[str, object], remote_bytes: int, concurrency: int, cache_parent: str | None
+) -> tuple[float, SyncReport]:
+    """Seconds for ``SyncDaemon.run(once=True)`` to cache the whole remote into a fresh cache dir."""
+    with tempfile.TemporaryDirectory(dir=cache_parent) as cache:
+        config = load_config(None, {
+            "source.url": "s3://bench/data", "source.storage_options": options,
+            "cache.dir": cache, "cache.max_bytes": int(remote_bytes * 1.5) + 64 * 10**6,
+            "cache.shard_bytes": "64MB", "sampler.concurrency": concurrency,
+        })
+        start = time.perf_counter()
+        report = SyncDaemon(config, progress=False).run(once=True)
+        seconds = time.perf_counter() - start
+    if report.units_published == 0:
+        raise RuntimeError("the daemon published nothing: the benchmark measured no ingest")
+    return seconds, report
+
+
+def upload(fs: s3fs.S3FileSystem, root: str, args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """Write the Parquet files; return every row group's (path, start, end) byte span."""
+    rows_per_group = max(1, int(args.row_group_mb * 1e6) // SAMPLE_BYTES)
+    groups_per_file = max(1, round(args.file_mb / args.row_group_mb))
+    groups = max(1, round(args.size_mb / args.row_group_mb))
+    rng = np.random.default_rng(0)
+    spans: list[tuple[str, int, int]] = []
+    for number, first in enumerate(range(0, groups, groups_per_file)):
+        count = min(groups_per_file, groups - first)
+        rows = count * rows_per_group
+        payload = rng.integers(0, 256, size=rows * SAMPLE_BYTES, dtype=np.uint8).tobytes()
+        column = pa.FixedSizeBinaryArray.from_buffers(pa.binary(SAMPLE_BYTES), rows, [None, pa.py_buffer(payload)])
+        table = pa.table({"id": pa.array(np.arange(rows, dtype=np.int64)), "sample": column})
+        path = f"{root}/part-{number:04d}.parquet"
+        with fs.open(path, "wb") as f:
+            pq.write_table(table, f, row_group_size=rows_per_group, compression="none", use_dictionary=False)
+        spans.extend(row_group_spans(fs, path))
+    return spans
+
+
+def row_group_spans(fs: s3fs.S3FileSystem, path: str) -> list[tuple[str, int, int]]:
+    with fs.open(path, "rb") as f:
+        metadata = pq.read_metadata(f)
+    spans = []
+    for index in range(metadata.num_row_groups):
+        group = metadata.row_group(index)
+        starts = [min(c.data_page_offset, c.dictionary_page_offset or c.data_page_offset)
+                  for c in (group.column(i) for i in range(group.num_columns))]
+        ends = [s + group.column(i).total_compressed_size for i, s in enumerate(starts)]
+        spans.append((path, min(starts), max(ends)))
+    return spans
+
+
+def raw_gets(fs: s3fs.S3FileSystem, spans: list[tuple[str, int, int]], concurrency: int) -> float:
+    """Seconds to GET every span once with ``concurrency`` threads (each length is checked)."""
+    def get(span: tuple[str, int, int]) -> int:
+        path, start, end = span
+        data = fs.cat_file(path, start=start, end=end)
+        if len(data) != end - start:
+            raise RuntimeError(f"{path} {start}-{end}: got {len(data)} bytes")
+        return len(data)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        sum(pool.map(get, spans))
+    return time.perf_counter() - start
+
+
+def print_table(result: dict[str, object]) -> None:
+    rows = [("remote data (MB)", f"{result['size_mb']:.0f} in {result['row_groups']} row groups"),
+            ("concurrency; rounds (medians)", f"{result['concurrency']}; {result['rounds']}"),
+            ("ceiling: raw concurrent GETs (MB/s)", f"{result['ceiling_mb_s']} ({result['ceiling_s']} s)"),
+            ("ingest: SyncDaemon --once (MB/s)", f"{result['ingest_mb_s']} ({result['ingest_s']} s)"),
+            ("ingest / ceiling", f"{result['ratio']:.1%}"),
+            ("cache dirs under", result["cache_parent"]),
+            ("machine", result["machine"])]
+    width = max(len(name) for name, _ in rows)
+    print(f"{'measure':<{width}} | value")
+    print(f"{'-' * width}-|------")
+    for name, value in rows:
+        print(f"{name:<{width}} | {value}")
+
+
+if __name__ == "__main__":
+    main()

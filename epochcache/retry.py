@@ -1,0 +1,131 @@
+"""Retries of remote reads: exponential backoff with full jitter, attempts counted where they happen.
+
+Flow: ``Retrier.call(fn, what)`` runs ``fn``; a transient failure (:func:`is_transient`: 5xx,
+SlowDown/503, timeouts, connection resets, truncated bodies) is retried after a random wait in
+``[0, min(backoff_max_s, backoff_s * 2**attempt)]`` (full jitter, AWS's recommendation) up to
+``max_attempts`` in all; a permanent one (no such bucket or key, access denied, a malformed file)
+is raised at once. Each retry and each give-up is counted through ``count(name)``.
+
+Invariant: attempts are counted only here. The S3 client's own retry layers (s3fs's loop and
+botocore's) are turned off by :func:`single_attempt_options`, so the counts in the ledger are the
+requests really made, and backoff is not multiplied by three nested loops.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import tenacity
+
+from epochcache.errors import FetchFailedError, SourceError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# errnos s3fs gives transient S3 replies: SlowDown/ServiceUnavailable/503 -> EBUSY, InternalError/500
+# -> EREMOTEIO; plus the socket-level ones.
+_TRANSIENT_ERRNOS = {errno.EBUSY, getattr(errno, "EREMOTEIO", errno.EIO), errno.ETIMEDOUT, errno.ECONNRESET,
+                     errno.ECONNABORTED, errno.EPIPE}
+
+
+class TruncatedReadError(OSError):
+    """A ranged read returned fewer bytes than asked for: the body was cut short in transit."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for failures another attempt may cure; False for permanent ones (and our own errors)."""
+    if isinstance(exc, (SourceError, FileNotFoundError, PermissionError, IsADirectoryError)):
+        return False
+    if isinstance(exc, (TimeoutError, ConnectionError, TruncatedReadError)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+        return True
+    return _is_transient_http(exc)
+
+
+def _is_transient_http(exc: BaseException) -> bool:
+    """aiohttp and botocore failures below the S3 reply level (imported lazily: optional for file://)."""
+    try:
+        import aiohttp
+        import botocore.exceptions as bex
+    except ImportError:  # no S3 stack installed: nothing of theirs can have been raised
+        return False
+    if isinstance(exc, (aiohttp.ClientError, bex.HTTPClientError, bex.ConnectionError)):
+        return True
+    if isinstance(exc, bex.ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return status >= 500 or exc.response.get("Error", {}).get("Code") in {"SlowDown", "RequestTimeout"}
+    return False
+
+
+class Retrier:
+    """Calls remote reads with retries; see the module docstring."""
+
+    def __init__(
+        self,
+        max_attempts: int,
+        backoff_s: float,
+        backoff_max_s: float,
+        count: Callable[[str], None],
+        stop: threading.Event | None = None,
+    ) -> None:
+        """``count(name)`` records one event: ``"retries"`` before each new attempt, ``"give_ups"``
+        when a read fails for good. ``stop`` cuts a backoff wait short (the call then gives up)."""
+        self._count = count
+        self._stop = stop or threading.Event()
+        self._retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(is_transient),
+            stop=tenacity.stop_after_attempt(max_attempts) | tenacity.stop_when_event_set(self._stop),
+            wait=tenacity.wait_random_exponential(multiplier=backoff_s, max=backoff_max_s),
+            sleep=self._sleep,
+            before_sleep=self._before_sleep,
+            reraise=True,
+        )
+
+    def call(self, fn: Callable[..., T], *args: Any, what: str) -> T:
+        """``fn(*args)``, retried on transient failures. ``what`` names the read (a URL and range) in
+        messages. Raises :class:`FetchFailedError` once attempts run out, a permanent error at once."""
+        try:
+            return self._retrying(fn, *args)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            self._count("give_ups")
+            raise FetchFailedError(f"{what}: still failing after retries: {describe(exc)}") from exc
+
+    def _sleep(self, seconds: float) -> None:
+        self._stop.wait(seconds)
+
+    def _before_sleep(self, state: tenacity.RetryCallState) -> None:
+        self._count("retries")
+        exc = state.outcome.exception() if state.outcome else None
+        log.debug("attempt %d failed (%s); retrying in %.2fs", state.attempt_number,
+                  describe(exc), state.upcoming_sleep)
+
+
+def describe(exc: BaseException | None) -> str:
+    """``Type: message`` of an exception, on one line (messages of remote errors carry no credentials)."""
+    if exc is None:
+        return "unknown error"
+    text = " ".join(str(exc).split()) or "(no message)"
+    return f"{type(exc).__name__}: {text}"
+
+
+def single_attempt_options(url: str, storage_options: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """``storage_options`` for ``url`` with the client's own retries off and ``timeout_s`` per request.
+
+    Only S3 URLs are changed, and keys the user set win: a user who configured botocore retries
+    keeps them (and their attempts are then not counted by us).
+    """
+    if not url.startswith(("s3://", "s3a://")):
+        return storage_options
+    config = dict(storage_options.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1})
+    config.setdefault("connect_timeout", timeout_s)
+    config.setdefault("read_timeout", timeout_s)
+    return {**storage_options, "config_kwargs": config}

@@ -1,0 +1,114 @@
+"""One object per sample (an image or blob per key, the ImageFolder habit) over any fsspec URL.
+
+Flow: ``list_objects`` lists every file under the URL (but the sidecar table); each object is one
+unit of one row, so the daemon's fetch pool reads ``sampler.concurrency`` objects at once and the
+sampler's groups interleave them like any other units. ``read`` GETs the object and returns a row
+``{"data": bytes, "__key__": "<object path>:0"}`` plus its labels:
+
+- ``labels: folder``: a ``label`` string column holding the parent folder's name (``cat/1.jpg`` ->
+  ``cat``);
+- ``labels: <URL of a .csv, .jsonl or .parquet table>``: its ``key`` column names objects by their
+  path relative to ``source.url``; its other columns are added to the sample (null where an object
+  has no row). The table is read once, whole, when the source opens.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+
+from epochcache.errors import SourceError
+from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
+from epochcache.sources.remote import RemoteFiles
+
+LABELS_FROM_FOLDER = "folder"
+_READERS = {".csv": pacsv.read_csv, ".jsonl": pajson.read_json, ".parquet": pq.read_table}
+
+
+class ObjectSource:
+    """A folder of objects, one sample each, at ``url``; see the module docstring."""
+
+    def __init__(
+        self,
+        url: str,
+        columns: Sequence[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        labels: str | None = None,
+    ) -> None:
+        if columns is not None and not columns:
+            raise SourceError("source.columns is an empty list: name at least one column, or null for all")
+        self.url = url
+        self.columns = list(columns) if columns is not None else None
+        self._remote = RemoteFiles(url, storage_options)
+        self._labels_from = labels
+        self._sidecar_path: str | None = None
+        self._sidecar: pa.Table | None = None
+        self._rows: dict[str, int] = {}
+        if labels is not None and labels != LABELS_FROM_FOLDER:
+            self._load_sidecar(labels, storage_options or {})
+        self._check_columns()
+
+    def __repr__(self) -> str:  # never show storage_options: they may hold credentials
+        return f"ObjectSource({self.url!r})"
+
+    def list_objects(self) -> list[RemoteObject]:
+        return [obj for page in self.scan_objects() for obj in page]
+
+    def scan_objects(self) -> Iterator[list[RemoteObject]]:
+        for page in self._remote.scan(("",), "sample"):
+            kept = [obj for obj in page if obj.path != self._sidecar_path]
+            if kept:
+                yield kept
+
+    def units(self, obj: RemoteObject) -> list[Unit]:
+        return [Unit(obj, 0, 1, 0, obj.size)]
+
+    def read(self, unit: Unit) -> pa.Table:
+        data = self._remote.fetch(unit.obj.path, 0, unit.obj.size)
+        table = pa.table({"data": pa.array([data], pa.binary())})
+        if self._labels_from == LABELS_FROM_FOLDER:
+            folder = posixpath.basename(posixpath.dirname(unit.obj.path))
+            table = table.append_column("label", pa.array([folder], pa.string()))
+        elif self._sidecar is not None:
+            row = self._rows.get(posixpath.relpath(unit.obj.path, self._remote.root))
+            labels = self._sidecar.take(pa.array([row], pa.int64()))
+            for name in labels.column_names:
+                table = table.append_column(name, labels.column(name))
+        if self.columns is not None:
+            table = table.select(self.columns)
+        return table.append_column(KEY_COLUMN, pa.array([f"{unit.obj.path}:0"], pa.string()))
+
+    def _check_columns(self) -> None:
+        present = ["data"]
+        if self._labels_from == LABELS_FROM_FOLDER:
+            present.append("label")
+        elif self._sidecar is not None:
+            present.extend(self._sidecar.column_names)
+        missing = [c for c in self.columns or () if c not in present]
+        if missing:
+            raise SourceError(f"source.columns names {missing} that samples of {self.url} lack: they have {present}")
+
+    def _load_sidecar(self, url: str, storage_options: dict[str, Any]) -> None:
+        suffix = next((s for s in _READERS if url.endswith(s)), None)
+        if suffix is None:
+            raise SourceError(f"source.labels={url!r} is neither 'folder' nor a .csv, .jsonl or .parquet table")
+        fs, path = fsspec.core.url_to_fs(url, **storage_options)
+        try:
+            with fs.open(path, "rb") as f:
+                table = _READERS[suffix](f)
+        except FileNotFoundError as exc:
+            raise SourceError(f"source.labels: cannot read {url}: it does not exist") from exc
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise SourceError(f"source.labels: cannot read {url}: {exc}") from exc
+        if "key" not in table.column_names:
+            raise SourceError(f"source.labels table {url} has no 'key' column: present are {table.column_names}")
+        keys = table.column("key").cast(pa.string()).to_pylist()
+        self._rows = {key: row for row, key in enumerate(keys)}
+        self._sidecar, self._sidecar_path = table.drop_columns(["key"]), path

@@ -1,0 +1,121 @@
+"""A fault-injecting HTTP/1.1 proxy on 127.0.0.1, in front of the S3 test server.
+
+Each request is forwarded on a fresh upstream connection; with probability ``rate`` its reply is
+replaced by a fault, chosen at random from ``kinds``: ``"503"`` (an S3 SlowDown reply), ``"reset"``
+(the client connection is aborted before any reply), ``"truncate"`` (the real headers, half the body,
+then the connection closes) or ``"delay"`` (the real reply after ``delay_s``). Replies go out with
+``Connection: close`` so a fault never leaks into a reused connection. Counts are in ``faults``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from urllib.parse import urlparse
+
+_SLOWDOWN = (
+    b"<?xml version='1.0' encoding='UTF-8'?>\n<Error><Code>SlowDown</Code>"
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
+KINDS = ("503", "reset", "truncate", "delay")
+
+
+class FaultProxy:
+    """Runs in its own thread and event loop; ``url`` is what to give s3fs as ``endpoint_url``."""
+
+    def __init__(self, upstream: str, rate: float, kinds: Sequence[str] = KINDS, delay_s: float = 3.0,
+                 seed: int = 0) -> None:
+        parsed = urlparse(upstream)
+        self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
+        self.rate, self.kinds, self.delay_s = rate, tuple(kinds), delay_s
+        self._random = random.Random(seed)
+        self.faults: Counter[str] = Counter()
+        self.requests = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("fault proxy did not start")
+
+    def close(self) -> None:
+        """Stop serving, end every open connection's task, and the loop."""
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        self._server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._client, "127.0.0.1", 0))
+        port = self._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            body = await reader.readexactly(_content_length(head))
+            await self._answer(head, body, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client went away: nothing to answer
+        finally:
+            writer.close()
+
+    async def _answer(self, head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        self.requests += 1
+        fault = self._random.choice(self.kinds) if self._random.random() < self.rate else None
+        if fault:
+            self.faults[fault] += 1
+        if fault == "reset":
+            writer.transport.abort()
+            return
+        if fault == "503":
+            writer.write(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
+                         + str(len(_SLOWDOWN)).encode() + b"\r\nConnection: close\r\n\r\n" + _SLOWDOWN)
+            await writer.drain()
+            return
+        reply = await self._forward(head, body)
+        if fault == "delay":
+            await asyncio.sleep(self.delay_s)
+        split = reply.index(b"\r\n\r\n") + 4
+        if fault == "truncate" and len(reply) - split > 1:
+            reply = reply[: split + (len(reply) - split) // 2]
+        writer.write(reply)
+        await writer.drain()
+        if fault == "truncate":
+            writer.transport.abort()
+
+    async def _forward(self, head: bytes, body: bytes) -> bytes:
+        upstream_reader, upstream_writer = await asyncio.open_connection(*self._upstream)
+        upstream_writer.write(_with_close(head) + body)
+        await upstream_writer.drain()
+        reply = await upstream_reader.read()  # until the server closes: "Connection: close" was asked
+        upstream_writer.close()
+        split = reply.index(b"\r\n\r\n") + 4
+        return _with_close(reply[:split]) + reply[split:]
+
+
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value.strip())
+    return 0
+
+
+def _with_close(head: bytes) -> bytes:
+    """``head`` (request or reply headers, ending in a blank line) with ``Connection: close``."""
+    lines = [line for line in head[:-4].split(b"\r\n") if not line.lower().startswith(b"connection:")]
+    return b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n"

@@ -1,0 +1,234 @@
+"""One conformance suite every source passes, on a local folder and on the S3 server.
+
+Each format stores the same samples (``make_table``'s ids; the table formats also its images whose
+pixels equal ``id % 251``) in several objects, then the suite checks the Source protocol: listing,
+units covering every row exactly once, stable unique keys, column selection, ranged reads only
+(requests counted: one per unit), and the errors for missing objects, corrupt files and unknown
+columns. Where a format cannot have a property, the test says why it is skipped.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import make_table
+
+from epochcache.config import SourceConfig
+from epochcache.errors import ObjectMissingError, SourceError
+from epochcache.sources import KEY_COLUMN, Source, open_source
+
+OBJECTS, UNITS_PER_FILE, ROWS_PER_UNIT = 3, 4, 40
+
+
+def _write_parquet(fs: Any, root: str, number: int, table: pa.Table) -> None:
+    with fs.open(f"{root}/part-{number:03d}.parquet", "wb") as f:
+        pq.write_table(table, f, row_group_size=ROWS_PER_UNIT)
+
+
+def _write_arrow(fs: Any, root: str, number: int, table: pa.Table) -> None:
+    with fs.open(f"{root}/part-{number:03d}.arrow", "wb") as f, pa.ipc.new_file(f, table.schema) as writer:
+        writer.write_table(table, max_chunksize=ROWS_PER_UNIT)
+
+
+def _write_tar(fs: Any, root: str, number: int, table: pa.Table) -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for sample_id in table.column("id").to_pylist():
+            for field, payload in (("id", str(sample_id).encode()), ("image", bytes([sample_id % 251]) * 16)):
+                info = tarfile.TarInfo(f"samples/{sample_id:06d}.{field}")
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    fs.pipe(f"{root}/part-{number:03d}.tar", buffer.getvalue())
+
+
+def _write_objects(fs: Any, root: str, number: int, table: pa.Table) -> None:
+    fs.makedirs(f"{root}/part-{number:03d}", exist_ok=True)
+    for sample_id in table.column("id").to_pylist():
+        fs.pipe(f"{root}/part-{number:03d}/{sample_id:06d}.bin", str(sample_id).encode())
+
+
+def _int_ids(column: str) -> Callable[[pa.Table], list[int]]:
+    return lambda table: [int(value) for value in table.column(column).to_pylist()]
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one format stores the shared samples, and how to read their ids back."""
+
+    name: str
+    write: Callable[[Any, str, int, pa.Table], None]  # (fs, root, object number, its rows)
+    rows_per_object: int
+    units_per_object: int
+    id_column: str
+    ids: Callable[[pa.Table], list[int]]
+    suffix: str | None  # None: every object under the URL is data
+
+    @property
+    def total(self) -> int:
+        return OBJECTS * self.rows_per_object
+
+    @property
+    def objects(self) -> int:  # objects listed: one per sample for the "objects" format
+        return OBJECTS * (self.rows_per_object if self.name == "objects" else 1)
+
+
+FORMATS = [
+    Format("parquet", _write_parquet, UNITS_PER_FILE * ROWS_PER_UNIT, UNITS_PER_FILE, "id", _int_ids("id"), ".parquet"),
+    Format("arrow", _write_arrow, UNITS_PER_FILE * ROWS_PER_UNIT, UNITS_PER_FILE, "id", _int_ids("id"), ".arrow"),
+    Format("webdataset", _write_tar, ROWS_PER_UNIT, 1, "id", _int_ids("id"), ".tar"),
+    Format("objects", _write_objects, 4, 1, "data", _int_ids("data"), None),
+]
+
+
+class CallCounter:
+    """Wraps ``cat_file``: counts the requests and the bytes asked for; behaviour unchanged."""
+
+    def __init__(self, inner: Callable[..., bytes]) -> None:
+        self.inner, self.calls, self.requested = inner, 0, 0
+
+    def __call__(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        if start is None or end is None:
+            raise AssertionError(f"an unranged read of {path}")
+        self.calls += 1
+        self.requested += end - start
+        return self.inner(path, start=start, end=end, **kwargs)
+
+
+@pytest.fixture(params=FORMATS, ids=lambda f: f.name)
+def fmt(request: pytest.FixtureRequest) -> Format:
+    return request.param
+
+
+@pytest.fixture(params=["local", "s3"])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Any, str, dict[str, Any]]:
+    """(filesystem, root path, storage_options) of an empty dataset folder."""
+    if request.param == "local":
+        return fsspec.filesystem("file"), str(tmp_path / "remote"), {}
+    s3, bucket, options = (request.getfixturevalue(n) for n in ("s3", "bucket", "s3_options"))
+    return s3, f"{bucket}/remote", options
+
+
+def _url(fs: Any, root: str) -> str:
+    return root if fs.protocol in ("file", ("file", "local")) else f"s3://{root}"
+
+
+@pytest.fixture
+def dataset(fmt: Format, where: tuple[Any, str, dict[str, Any]]) -> tuple[Any, str, dict[str, Any]]:
+    fs, root, options = where
+    fs.makedirs(root, exist_ok=True)
+    for number in range(OBJECTS):
+        fmt.write(fs, root, number, make_table(fmt.rows_per_object, number * fmt.rows_per_object))
+    if fmt.suffix is not None:
+        fs.pipe(f"{root}/README.txt", b"not data")
+    return fs, root, options
+
+
+def _source(fmt: Format, dataset: tuple[Any, str, dict[str, Any]], **kwargs: Any) -> Source:
+    fs, root, options = dataset
+    return open_source(SourceConfig(url=_url(fs, root), format=fmt.name, storage_options=options, **kwargs))
+
+
+def test_lists_only_its_objects_sorted(fmt: Format, dataset: tuple[Any, str, dict[str, Any]]) -> None:
+    objects = _source(fmt, dataset).list_objects()
+    assert len(objects) == fmt.objects
+    assert [o.path for o in objects] == sorted(o.path for o in objects)
+    assert all(o.size > 0 for o in objects)
+    if fmt.suffix is not None:
+        assert all(o.path.endswith(fmt.suffix) for o in objects), "README.txt is not data"
+
+
+def test_units_cover_every_row_once_with_stable_keys(fmt: Format, dataset: tuple[Any, str, dict[str, Any]]) -> None:
+    source = _source(fmt, dataset)
+    ids, keys, by_unit = [], [], {}
+    for obj in source.list_objects():
+        units = source.units(obj)
+        assert len(units) == fmt.units_per_object and len({u.key for u in units}) == len(units)
+        for unit in units:
+            table = source.read(unit)
+            assert unit.rows in (None, table.num_rows)
+            assert all(key.startswith(f"{obj.path}:") for key in table.column(KEY_COLUMN).to_pylist())
+            ids.extend(fmt.ids(table))
+            keys.extend(table.column(KEY_COLUMN).to_pylist())
+            by_unit[unit.key] = table.column(KEY_COLUMN).to_pylist()
+    assert sorted(ids) == list(range(fmt.total))
+    assert len(set(keys)) == fmt.total
+    again = _source(fmt, dataset)  # a fresh source (a restarted daemon) names every row alike
+    obj = again.list_objects()[-1]
+    unit = again.units(obj)[-1]
+    assert again.read(unit).column(KEY_COLUMN).to_pylist() == by_unit[unit.key]
+
+
+def test_table_formats_keep_every_value(fmt: Format, dataset: tuple[Any, str, dict[str, Any]]) -> None:
+    if fmt.name not in ("parquet", "arrow"):
+        pytest.skip("the image tensor column exists only in the table formats")
+    source = _source(fmt, dataset)
+    table = source.read(source.units(source.list_objects()[1])[2])
+    pixels = table.column("image").combine_chunks().to_numpy_ndarray()[:, 0, 0, 0]
+    assert (pixels == np.array(table.column("id")) % 251).all()
+
+
+def test_column_selection(fmt: Format, dataset: tuple[Any, str, dict[str, Any]]) -> None:
+    source = _source(fmt, dataset, columns=[fmt.id_column])
+    obj = source.list_objects()[0]
+    assert source.read(source.units(obj)[-1]).column_names == [fmt.id_column, KEY_COLUMN]
+
+
+def test_reads_are_few_ranged_gets(
+    fmt: Format, dataset: tuple[Any, str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = _source(fmt, dataset)
+    obj = source.list_objects()[0]
+    counter = CallCounter(source._remote.fs.cat_file)  # type: ignore[attr-defined]
+    monkeypatch.setattr(source._remote.fs, "cat_file", counter)  # type: ignore[attr-defined]
+    units = source.units(obj)
+    assert counter.calls <= 2, "metadata: at most one tail read and a second for a large footer"
+    before = counter.calls, counter.requested
+    source.read(units[-1])
+    assert counter.calls - before[0] == 1, "one ranged GET per unit"
+    if fmt.units_per_object > 1:
+        assert counter.requested - before[1] < obj.size / 2, "a unit, never the whole object"
+
+
+def test_a_missing_object_is_object_missing(fmt: Format, dataset: tuple[Any, str, dict[str, Any]]) -> None:
+    fs, root, _ = dataset
+    source = _source(fmt, dataset)
+    obj = source.list_objects()[0]
+    fs.rm(obj.path)
+    with pytest.raises(ObjectMissingError, match=Path(obj.path).name):
+        source.read(source.units(obj)[0])
+
+
+def test_a_corrupt_file_is_a_source_error_naming_it(fmt: Format, dataset: tuple[Any, str, dict[str, Any]]) -> None:
+    if fmt.suffix is None:
+        pytest.skip("any bytes are a valid sample when each object is one")
+    fs, root, _ = dataset
+    fs.pipe(f"{root}/zz-broken{fmt.suffix}", b"garbage" * 20)
+    source = _source(fmt, dataset)
+    broken = source.list_objects()[-1]
+    with pytest.raises(SourceError, match="zz-broken"):
+        source.read(source.units(broken)[0])
+
+
+def test_an_unknown_column_is_a_source_error(fmt: Format, dataset: tuple[Any, str, dict[str, Any]]) -> None:
+    if fmt.name == "webdataset":
+        pytest.skip("webdataset columns name fields; a field no sample has is a column of nulls, by design")
+    with pytest.raises(SourceError, match="nope"):
+        source = _source(fmt, dataset, columns=[fmt.id_column, "nope"])
+        source.units(source.list_objects()[0])
+
+
+def test_repr_hides_credentials(fmt: Format, dataset: tuple[Any, str, dict[str, Any]]) -> None:
+    fs, root, options = dataset
+    secret = {"key": "AKIACONFORMANCE", "secret": "conformance-secret"}
+    source = open_source(SourceConfig(url=_url(fs, root), format=fmt.name, storage_options={**options, **secret}))
+    assert "conformance-secret" not in repr(source) and "AKIACONFORMANCE" not in repr(source)
