@@ -75,16 +75,16 @@ def test_disk_full_publishes_nothing_backs_off_and_resumes(
     disk_full = threading.Event()
     disk_full.set()
     failures: list[Path] = []
-    real_write = shards._write_ipc
+    real_write = shards._write_file
 
-    def write_or_fail(sink: pa.NativeFile, table: pa.Table) -> None:
-        if disk_full.is_set() and not isinstance(sink, pa.MockOutputStream):  # a real write, not sizing
-            sink.write(b"ARROW1\x00\x00" + b"\x00" * 8192)  # some bytes reach the temp file first
-            failures.append(next(layout.shards.glob("*" + TMP_SUFFIX)))
+    def write_or_fail(path: Path, data: pa.Buffer) -> None:
+        if disk_full.is_set():
+            path.write_bytes(memoryview(data)[:8192])  # some bytes reach the temp file first
+            failures.append(path)
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(sink, table)
+        real_write(path, data)
 
-    monkeypatch.setattr(shards, "_write_ipc", write_or_fail)
+    monkeypatch.setattr(shards, "_write_file", write_or_fail)
     units = UnitLog()
     daemon = DaemonThread(units.daemon(config))
     state = wait_for(lambda: (s := ledger.daemon_state()) and s["state"] == "disk full, backing off" and s)

@@ -66,7 +66,7 @@ def test_no_tmp_file_left(tmp_path: Path) -> None:
 def test_checksum_matches_final_file(tmp_path: Path) -> None:
     path, checksum = write(make_table(300), tmp_path)
     assert checksum == file_checksum(path)
-    assert len(checksum) == 32  # BLAKE2b-128, hex
+    assert len(checksum) == 32  # XXH3-128, hex
     int(checksum, 16)
     verify_shard(path, checksum)  # does not raise
 
@@ -133,14 +133,14 @@ def test_open_not_arrow_raises(tmp_path: Path) -> None:
 
 
 def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_write = shards._write_ipc
+    real_write = shards._write_file
 
-    def write_then_fail(sink: pa.NativeFile, table: pa.Table) -> None:
-        sink.write(b"ARROW1\x00\x00" + b"\x00" * 4096)  # some bytes reach the temp file
-        assert (tmp_path / "s1.arrow.tmp").exists()  # the write goes to the temp path first
+    def write_then_fail(path: Path, data: pa.Buffer) -> None:
+        assert path == tmp_path / "s1.arrow.tmp"  # the write goes to the temp path first
+        path.write_bytes(memoryview(data)[:4096])  # some bytes reach the temp file
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(shards, "_write_ipc", write_then_fail)
+    monkeypatch.setattr(shards, "_write_file", write_then_fail)
     with pytest.raises(OSError, match="No space left"):
         write(make_table(100), tmp_path)
     assert not (tmp_path / "s1.arrow.tmp").exists()
@@ -148,7 +148,7 @@ def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert list(tmp_path.iterdir()) == []
 
     # The same paths work once the fault is gone.
-    monkeypatch.setattr(shards, "_write_ipc", real_write)
+    monkeypatch.setattr(shards, "_write_file", real_write)
     path, checksum = write(make_table(100), tmp_path)
     verify_shard(path, checksum)
 
@@ -157,11 +157,11 @@ def test_failed_write_keeps_existing_final_file(tmp_path: Path, monkeypatch: pyt
     old_table = make_table(10)
     path, checksum = write(old_table, tmp_path)
 
-    def fail(sink: pa.NativeFile, table: pa.Table) -> None:
-        sink.write(b"partial")
+    def fail(path: Path, data: pa.Buffer) -> None:
+        path.write_bytes(b"partial")
         raise OSError("disk gone")
 
-    monkeypatch.setattr(shards, "_write_ipc", fail)
+    monkeypatch.setattr(shards, "_write_file", fail)
     with pytest.raises(OSError):
         write(make_table(20), tmp_path)
     verify_shard(path, checksum)
