@@ -3,10 +3,9 @@
 Uncompressed and a single record batch so that a reader can memory-map a shard and view each
 fixed-width column as one numpy array without copying (see :mod:`epochcache.dataset`).
 
-Writing is atomic: the file is serialized in memory, its checksum taken there, and the bytes go to
-``<id>.arrow.tmp`` in the shard folder in one write, are fsynced, renamed to their final name with
-``os.replace`` and the folder is fsynced, so a crash leaves either no shard or a whole one. The
-checksum (XXH3-128 of the file: it detects damage, it is not a defence against tampering, and at
+Writing is atomic: the bytes go to ``<id>.arrow.tmp`` in the shard folder, are fsynced, checksummed
+(read back from the page cache), renamed to their final name with ``os.replace`` and the folder is
+fsynced, so a crash leaves either no shard or a whole one. The checksum (XXH3-128 of the file: it detects damage, it is not a defence against tampering, and at
 ~10 GB/s it costs the daemon and a reader's first open next to nothing) becomes part of the final
 name (see :mod:`epochcache.layout`) and is recorded in the ledger; readers compare against it the
 first time they open a shard.
@@ -77,18 +76,15 @@ def write_shard(table: pa.Table, tmp_path: Path, final_path: Path | Callable[[st
     puts the checksum in the name). On any failure (ENOSPC included) the temp file is removed,
     nothing appears at the final path and the error propagates.
     """
-    sink = pa.BufferOutputStream()
-    _write_ipc(sink, table)
-    data = sink.getvalue()
-    checksum = xxhash.xxh3_128(data).hexdigest()
     try:
-        _write_file(tmp_path, data)
+        _write_file(tmp_path, table)
+        checksum = file_checksum(tmp_path)  # read back from the page cache: cheaper than a copy in memory
         final = final_path if isinstance(final_path, Path) else final_path(checksum)
         os.replace(tmp_path, final)
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
-    _fsync_dir(final.parent)
+    _fsync(final.parent)
     return checksum
 
 
@@ -125,15 +121,15 @@ def _write_ipc(sink: pa.NativeFile, table: pa.Table) -> None:
         writer.write_table(table, max_chunksize=max(table.num_rows, 1))
 
 
-def _write_file(path: Path, data: pa.Buffer) -> None:
-    """Create ``path`` holding ``data``, flushed to stable storage (the write call faults are injected at)."""
-    with open(path, "wb") as f:
-        f.write(memoryview(data))
-        f.flush()
-        os.fsync(f.fileno())
+def _write_file(path: Path, table: pa.Table) -> None:
+    """Create ``path`` holding ``table`` as IPC, flushed to stable storage (where tests inject faults)."""
+    with pa.OSFile(str(path), "wb") as sink:
+        _write_ipc(sink, table)
+    _fsync(path)
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush a file's, or a folder's, contents to stable storage."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -77,12 +77,12 @@ def test_disk_full_publishes_nothing_backs_off_and_resumes(
     failures: list[Path] = []
     real_write = shards._write_file
 
-    def write_or_fail(path: Path, data: pa.Buffer) -> None:
+    def write_or_fail(path: Path, table: pa.Table) -> None:
         if disk_full.is_set():
-            path.write_bytes(memoryview(data)[:8192])  # some bytes reach the temp file first
+            path.write_bytes(b"ARROW1\x00\x00" + b"\x00" * 8192)  # some bytes reach the temp file first
             failures.append(path)
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(path, data)
+        real_write(path, table)
 
     monkeypatch.setattr(shards, "_write_file", write_or_fail)
     units = UnitLog()

@@ -135,9 +135,9 @@ def test_open_not_arrow_raises(tmp_path: Path) -> None:
 def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_write = shards._write_file
 
-    def write_then_fail(path: Path, data: pa.Buffer) -> None:
+    def write_then_fail(path: Path, table: pa.Table) -> None:
         assert path == tmp_path / "s1.arrow.tmp"  # the write goes to the temp path first
-        path.write_bytes(memoryview(data)[:4096])  # some bytes reach the temp file
+        path.write_bytes(b"ARROW1\x00\x00" + b"\x00" * 4096)  # some bytes reach the temp file
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(shards, "_write_file", write_then_fail)
@@ -157,7 +157,7 @@ def test_failed_write_keeps_existing_final_file(tmp_path: Path, monkeypatch: pyt
     old_table = make_table(10)
     path, checksum = write(old_table, tmp_path)
 
-    def fail(path: Path, data: pa.Buffer) -> None:
+    def fail(path: Path, table: pa.Table) -> None:
         path.write_bytes(b"partial")
         raise OSError("disk gone")
 
