@@ -58,8 +58,12 @@ class ShardSetDataset(Dataset[Batch]):
         batch = self.__getitems__([index])
         return {name: value[0] for name, value in batch.items()}
 
-    def __getitems__(self, indices: Sequence[int] | np.ndarray) -> Batch:
-        """The rows at ``indices`` as one batch: tensors of shape ``(len(indices), *item_shape)``."""
+    def __getitems__(self, indices: Sequence[int] | np.ndarray, out: dict[str, np.ndarray] | None = None) -> Batch:
+        """The rows at ``indices`` as one batch: tensors of shape ``(len(indices), *item_shape)``.
+
+        ``out`` (fixed-width column -> array of at least ``len(indices)`` rows of its dtype and item
+        shape, as :meth:`fixed_layout` gives) receives those columns instead of fresh arrays; their
+        tensors then share its memory."""
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"index out of range for a dataset of {len(self)} samples")
@@ -71,23 +75,33 @@ class ShardSetDataset(Dataset[Batch]):
         splits = np.flatnonzero(np.diff(shard_of)).tolist()
         starts, ends = [0, *(i + 1 for i in splits)], [*(i + 1 for i in splits), idx.size]
         template = views[int(shard_of[0])] if idx.size else views[0]
-        out: dict[str, Any] = {
-            name: np.empty((idx.size, *col.shape[1:]), col.dtype) if isinstance(col, np.ndarray) else []
+        given = out or {}
+        result: dict[str, Any] = {
+            name: (given[name][: idx.size] if name in given else np.empty((idx.size, *col.shape[1:]), col.dtype))
+            if isinstance(col, np.ndarray) else []
             for name, col in template.items()
         }
         # The hot loop of the loader: one gather per shard and column, as few Python steps as possible.
         # mode="clip" (indices are checked above): under the default mode="raise" numpy gathers into a
-        # temporary and copies that into ``out``, which costs a second copy of every batch.
+        # temporary and copies that into ``result``, which costs a second copy of every batch.
         for start, end in zip(starts, ends):
             rows = local[start:end]
             for name, col in views[shard_of[start]].items():
                 if isinstance(col, np.ndarray):
-                    col.take(rows, axis=0, out=out[name][start:end], mode="clip")
+                    col.take(rows, axis=0, out=result[name][start:end], mode="clip")
                 elif isinstance(col, BufferColumn):
-                    out[name].extend(col.take(rows))
+                    result[name].extend(col.take(rows))
                 else:
-                    out[name].append(col.take(pa.array(rows)))
-        return {name: _finish(value, template[name]) for name, value in out.items()}
+                    result[name].append(col.take(pa.array(rows)))
+        return {name: _finish(value, template[name]) for name, value in result.items()}
+
+    def fixed_layout(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """The fixed-width (tensor) columns, as name -> (dtype, item shape), read from the first shard
+        alone (shards of one cache share a schema); empty for an empty dataset."""
+        if not self._paths:
+            return {}
+        views = self._view(open_shard(Path(self._paths[0])), self._paths[0])
+        return {name: (col.dtype, col.shape[1:]) for name, col in views.items() if isinstance(col, np.ndarray)}
 
     def _open(self) -> list[dict[str, Column]]:
         if self._views is None:

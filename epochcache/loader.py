@@ -48,6 +48,7 @@ from epochcache.prefetch import BatchThread
 from epochcache.quarantine import quarantine_shard
 from epochcache.resume import Progress, read_state, snapshot_id
 from epochcache.shards import verify_shard
+from epochcache.slots import NumberedBatches, SlotDataset, SlotRing, ring_layout
 from epochcache.transform import BatchTransform, SampleTransform, TransformedDataset
 from epochcache.waiting import wait_for_samples
 from epochcache.wire import from_wire, to_wire
@@ -91,9 +92,10 @@ class _Epoch:
 
     def __init__(
         self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], loader: DataLoader[Any] | BatchThread | None,
-        pin: bool,
+        pin: bool, ring: SlotRing | None = None,
     ):
         self.info, self.lease, self.shards, self._loader, self._pin = info, lease, shards, loader, pin
+        self._unwrap = ring.receive if ring is not None else from_wire
         self._iterator: Iterator[Any] | None = loader if isinstance(loader, BatchThread) else None
 
     def start(self) -> None:
@@ -105,9 +107,10 @@ class _Epoch:
         if isinstance(self._loader, DataLoader) and self._iterator is not None:
             # Stop at the known count instead of asking for one more: the DataLoader would answer
             # that by joining its workers here, in the gap before the next epoch's first batch.
-            # Worker batches arrive as numpy (see epochcache.wire).
-            for batch in itertools.islice(self._iterator, len(self._loader)):
-                yield pin_batch(from_wire(batch)) if self._pin else from_wire(batch)
+            # Worker batches arrive in shared-memory slots or as numpy (epochcache.slots, .wire).
+            for message in itertools.islice(self._iterator, len(self._loader)):
+                batch = self._unwrap(message)
+                yield pin_batch(batch) if self._pin else batch
         elif self._iterator is not None:
             yield from self._iterator
 
@@ -323,7 +326,8 @@ class EpochCachedLoader:
                 batches=sampler.count, skipped_shards=len(lease.shards) - len(records), prepared_ahead=ahead,
                 snapshot=snapshot_id([r.id for r in records]), start_batch=min(sampler.start, sampler.count),
             )
-            return _Epoch(info, lease, tuple(r.id for r in records), self._batch_source(dataset, sampler), self._pin)
+            source, ring = self._batch_source(dataset, sampler)
+            return _Epoch(info, lease, tuple(r.id for r in records), source, self._pin, ring)
         except BaseException:
             self._release(lease.id)
             raise
@@ -351,18 +355,34 @@ class EpochCachedLoader:
         count = peers.fewest_batches(batch_count(len(part), cfg.batch_size, cfg.drop_last))
         return EpochBatches(part, cfg.batch_size, count, start)
 
-    def _batch_source(self, dataset: ShardSetDataset, sampler: EpochBatches) -> DataLoader[Any] | BatchThread | None:
+    def _batch_source(
+        self, dataset: ShardSetDataset, sampler: EpochBatches
+    ) -> tuple[DataLoader[Any] | BatchThread | None, SlotRing | None]:
+        """The epoch's batches: a batch thread, or worker processes (sending through a slot ring
+        when the dataset has tensor columns, see epochcache.slots)."""
         if not len(sampler):
-            return None
+            return None, None
         data = TransformedDataset(dataset, self._transform, self._sample_transform)
         if self._workers == 0:
             build = (lambda idx: pin_batch(data.__getitems__(idx))) if self._pin else data.__getitems__
-            return BatchThread(build, sampler, self.config.prefetch_batches)
+            return BatchThread(build, sampler, self.config.prefetch_batches), None
+        layout = ring_layout(dataset)
+        if not layout:
+            return DataLoader(
+                # index arrays rather than lists: __getitems__ takes them whole
+                data, batch_sampler=sampler, num_workers=self._workers, collate_fn=to_wire,  # type: ignore[arg-type]
+                prefetch_factor=self.config.prefetch_batches,
+            ), None
+        # The DataLoader asks for at most prefetch_batches per worker ahead of the batch being handed
+        # out; two slots more leave room for the batch being copied out and a worker running ahead.
+        ahead = self.config.prefetch_batches * self._workers + 2
+        ring = SlotRing(layout, self.config.batch_size, ahead, sampler.start)
         return DataLoader(
-            # index arrays rather than lists: __getitems__ takes them whole
-            data, batch_sampler=sampler, num_workers=self._workers, collate_fn=to_wire,  # type: ignore[arg-type]
-            prefetch_factor=self.config.prefetch_batches,
-        )
+            # the ring reaches the workers through fork (anonymous shared memory cannot be pickled)
+            SlotDataset(data, ring), batch_sampler=NumberedBatches(sampler),  # type: ignore[arg-type]
+            num_workers=self._workers, collate_fn=to_wire, prefetch_factor=self.config.prefetch_batches,
+            multiprocessing_context="fork",
+        ), ring
 
     def _snapshot(self, epoch: int) -> Lease:
         """A lease on a non-empty shard set, waiting up to ``wait_timeout_s`` for the first shard."""
