@@ -161,6 +161,7 @@ class EpochCachedLoader:
         self._progress: Progress | None = None
         self._resume: Progress | None = None
         self._next: tuple[int, Future[_Epoch]] | None = None
+        self._retiring: _Epoch | None = None  # the last epoch, done but its batch source not yet stopped
         self._verified: set[str] = set()
         self._held: set[str] = set()
         self._held_lock = threading.Lock()
@@ -212,14 +213,19 @@ class EpochCachedLoader:
                     self._start_prepared()
                 self._progress.position = number + 1
                 yield batch
+                self._retire_previous()
             self._progress = None
             self._prepare_ahead(epoch + 1)
             completed = True
         finally:
             stream.close()  # lets go of the DataLoader iterator now, so closing the epoch shuts its workers
             batches.close()
-            if completed:  # off the path to the next epoch's first batch: joining workers takes tens of ms
-                self._cleanup_pool.submit(self._finish, current)
+            if completed:
+                # Off the path to the next epoch's first batch: stopping workers takes tens of ms of
+                # CPU, so it waits until that batch is out; the lease goes back now.
+                self._retire_previous()
+                self._retiring = current
+                self._cleanup_pool.submit(self._release, current.lease.id)
             else:
                 self._finish(current)
 
@@ -255,6 +261,7 @@ class EpochCachedLoader:
             return
         self._closed.set()
         self._drop_prepared()
+        self._retire_previous()
         self._prepare_pool.shutdown(wait=True)
         self._cleanup_pool.shutdown(wait=True)
         self._heartbeat.join()
@@ -411,6 +418,12 @@ class EpochCachedLoader:
             return False
         self._verified.add(record.id)
         return True
+
+    def _retire_previous(self) -> None:
+        """Stop the finished epoch's batch source in the background (its lease is already released)."""
+        if self._retiring is not None:
+            self._cleanup_pool.submit(self._retiring.close)
+            self._retiring = None
 
     def _finish(self, epoch: _Epoch) -> None:
         epoch.close()
