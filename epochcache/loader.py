@@ -1,8 +1,10 @@
 """EpochCachedLoader: one epoch per ``iter()``, over the shards present when it starts.
 
 Each epoch's shard set is a ledger snapshot taken together with a lease on exactly those shards, so
-the daemon cannot evict them mid-epoch; a heartbeat thread renews the lease and it is released when
-the epoch ends (a killed trainer's lease simply expires). When ``loader.prepare_next_at`` of an
+the daemon cannot evict them mid-epoch; a heartbeat thread renews the lease. A finished epoch's
+lease is released, and its batch thread or workers stopped, in the background once the next epoch's
+first batch is out (or at :meth:`EpochCachedLoader.close`), so that work never delays that batch;
+an epoch left early is released at once, and a killed trainer's lease simply expires. When ``loader.prepare_next_at`` of an
 epoch's batches are consumed, a background thread snapshots the next epoch, builds its dataset and
 order and starts its batches (the batch thread, or the DataLoader workers, which the main thread
 forks at the next batch boundary), so the next epoch starts without a stall.
@@ -212,8 +214,8 @@ class EpochCachedLoader:
                     self._prepare_ahead(epoch + 1)
                     self._start_prepared()
                 self._progress.position = number + 1
+                self._retire_previous()  # once this epoch's first batch is out
                 yield batch
-                self._retire_previous()
             self._progress = None
             self._prepare_ahead(epoch + 1)
             completed = True
@@ -222,10 +224,9 @@ class EpochCachedLoader:
             batches.close()
             if completed:
                 # Off the path to the next epoch's first batch: stopping workers takes tens of ms of
-                # CPU, so it waits until that batch is out; the lease goes back now.
+                # CPU and releasing the lease a ledger write, so both wait until that batch is out.
                 self._retire_previous()
                 self._retiring = current
-                self._cleanup_pool.submit(self._release, current.lease.id)
             else:
                 self._finish(current)
 
@@ -420,9 +421,9 @@ class EpochCachedLoader:
         return True
 
     def _retire_previous(self) -> None:
-        """Stop the finished epoch's batch source in the background (its lease is already released)."""
+        """Stop the finished epoch's batch source and release its lease, in the background."""
         if self._retiring is not None:
-            self._cleanup_pool.submit(self._retiring.close)
+            self._cleanup_pool.submit(self._finish, self._retiring)
             self._retiring = None
 
     def _finish(self, epoch: _Epoch) -> None:
