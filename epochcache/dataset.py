@@ -20,7 +20,8 @@ workers sends paths, never data.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Union
 
@@ -40,19 +41,25 @@ Column = Union[np.ndarray, pa.Array, "BufferColumn"]
 class ShardSetDataset(Dataset[Batch]):
     """Rows of ``paths`` (with ``rows[i]`` rows each) in order; ``columns`` None = all but the key."""
 
-    def __init__(self, paths: Sequence[Path], rows: Sequence[int], columns: Sequence[str] | None = None):
+    def __init__(
+        self, paths: Sequence[Path], rows: Sequence[int], columns: Sequence[str] | None = None,
+        opened: OpenShards | None = None,
+    ):
+        """``opened``: shards already mapped in this process by an earlier dataset with the same
+        ``columns`` (a loader's consecutive epochs), reused instead of mapped again."""
         if len(paths) != len(rows):
             raise ValueError(f"{len(paths)} shard paths but {len(rows)} row counts")
         self._paths = [str(p) for p in paths]
         self._offsets = np.concatenate([[0], np.cumsum(np.asarray(rows, dtype=np.int64))])
         self._columns = list(columns) if columns is not None else None
         self._views: list[dict[str, Column]] | None = None
+        self._opened = opened
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_views": None}
+        return {**self.__dict__, "_views": None, "_opened": None}
 
     def __getitem__(self, index: int) -> Batch:
         batch = self.__getitems__([index])
@@ -105,8 +112,14 @@ class ShardSetDataset(Dataset[Batch]):
 
     def _open(self) -> list[dict[str, Column]]:
         if self._views is None:
-            self._views = [self._view(open_shard(Path(path)), path) for path in self._paths]
+            if self._opened is None:
+                self._views = [self._open_one(path) for path in self._paths]
+            else:
+                self._views = self._opened.views(self._paths, self._open_one)
         return self._views
+
+    def _open_one(self, path: str) -> dict[str, Column]:
+        return self._view(open_shard(Path(path)), path)
 
     def _view(self, table: pa.Table, path: str) -> dict[str, Column]:
         names = self._columns or [n for n in table.column_names if n != KEY_COLUMN]
@@ -130,6 +143,30 @@ class ShardSetDataset(Dataset[Batch]):
             else:
                 views[name] = _numpy_view(array)
         return views
+
+
+class OpenShards:
+    """The column views of the shards the latest dataset opened in this process, by path.
+
+    Shard file names carry their checksum, so a path always means the same bytes. Consecutive
+    epochs mostly read the same shards: reusing their mappings spares re-faulting every
+    page each epoch, and unmapping them (a large munmap blocks every page fault of the process for
+    milliseconds). Only the latest set is kept: shards that left it stay mapped while an older
+    dataset still holds them and are unmapped with it.
+    """
+
+    def __init__(self) -> None:
+        self._views: dict[str, dict[str, Column]] = {}
+        self._lock = threading.Lock()
+
+    def views(self, paths: Sequence[str], open_one: Callable[[str], dict[str, Column]]) -> list[dict[str, Column]]:
+        """The views of ``paths``, in order, opened with ``open_one`` where not already open."""
+        with self._lock:
+            known = self._views
+        fresh = {path: known[path] if path in known else open_one(path) for path in paths}
+        with self._lock:
+            self._views = fresh
+        return list(fresh.values())
 
 
 def _is_fixed_width(arrow_type: pa.DataType) -> bool:

@@ -39,7 +39,7 @@ from pydantic import ValidationError
 from torch.utils.data import DataLoader
 
 from epochcache.config import LoaderConfig, format_validation_error, load_config
-from epochcache.dataset import ShardSetDataset
+from epochcache.dataset import OpenShards, ShardSetDataset
 from epochcache.device import pin_batch, pinning_available, to_device
 from epochcache.distributed import Peers
 from epochcache.errors import CacheEmptyError, ConfigError, LoaderError, ShardCorruptError
@@ -167,6 +167,7 @@ class EpochCachedLoader:
         self._next: tuple[int, Future[_Epoch]] | None = None
         self._retiring: _Epoch | None = None  # the last epoch, done but its batch source not yet stopped
         self._verified: set[str] = set()
+        self._opened = OpenShards()  # shard mappings the batch thread reuses from epoch to epoch
         self._held: set[str] = set()
         self._held_lock = threading.Lock()
         self._closed = threading.Event()
@@ -331,7 +332,8 @@ class EpochCachedLoader:
         try:
             records = self._agreed_records(lease, resume)
             dataset = ShardSetDataset(
-                [self._layout.shards / r.filename for r in records], [r.rows for r in records], self.config.columns
+                [self._layout.shards / r.filename for r in records], [r.rows for r in records], self.config.columns,
+                self._opened,
             )
             sampler = self._sampler(len(dataset), epoch, resume.position if resume else 0)
             info = EpochInfo(
