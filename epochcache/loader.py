@@ -62,8 +62,6 @@ log = logging.getLogger(__name__)
 _EMPTY_POLL_S = 0.02
 # Worker processes chosen when a transform is given and loader.num_workers is left unset.
 _AUTO_WORKERS = 2
-# Threads building one epoch's batches without workers.
-_BUILD_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -174,7 +172,7 @@ class EpochCachedLoader:
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-prepare")
         self._cleanup_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-cleanup")
         # the batch threads of the current epoch and of the next one, prepared ahead
-        self._build_pool = ThreadPoolExecutor(2 * _BUILD_THREADS, thread_name_prefix="epochcache-batches")
+        self._build_pool = ThreadPoolExecutor(2, thread_name_prefix="epochcache-batches")
         self._heartbeat = threading.Thread(target=self._renew_leases, name="epochcache-lease", daemon=True)
         self._heartbeat.start()
 
@@ -380,7 +378,7 @@ class EpochCachedLoader:
         data = TransformedDataset(dataset, self._transform, self._sample_transform)
         if self._workers == 0:
             build = (lambda idx: pin_batch(data.__getitems__(idx))) if self._pin else data.__getitems__
-            return BatchThread(build, sampler, self.config.prefetch_batches, self._build_pool, _BUILD_THREADS), None
+            return BatchThread(build, sampler, self.config.prefetch_batches, self._build_pool), None
         layout = ring_layout(dataset)
         if not layout:
             return DataLoader(

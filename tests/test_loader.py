@@ -249,3 +249,13 @@ def test_an_error_while_building_a_batch_reaches_the_training_loop(synced: Confi
     with EpochCachedLoader(synced.cache.dir, batch_size=64, transform=broken, num_workers=0) as loader:
         with pytest.raises(ValueError, match="bad sample"):
             next(iter(loader))
+
+
+def test_batch_threads_are_reused_across_epochs(synced: Config) -> None:
+    """A thread that ends stalls the consumer at the epoch boundary, so epochs share two threads."""
+    with EpochCachedLoader(synced.cache.dir, batch_size=64, num_workers=0) as loader:
+        seen: set[threading.Thread] = set()  # the objects themselves: an ended thread's ident is reused
+        for _ in range(5):
+            for _batch in loader:
+                seen |= {t for t in threading.enumerate() if t.name.startswith("epochcache-batches")}
+        assert 1 <= len(seen) <= 2
