@@ -50,7 +50,7 @@ from epochcache.prefetch import BatchThread
 from epochcache.quarantine import quarantine_shard
 from epochcache.resume import Progress, read_state, snapshot_id
 from epochcache.shards import verify_shard
-from epochcache.slots import NumberedBatches, SlotDataset, SlotRing, ring_layout
+from epochcache.slots import NumberedBatches, SlotDataset, SlotRing
 from epochcache.transform import BatchTransform, SampleTransform, TransformedDataset
 from epochcache.waiting import wait_for_samples
 from epochcache.wire import from_wire, to_wire
@@ -379,7 +379,7 @@ class EpochCachedLoader:
         if self._workers == 0:
             build = (lambda idx: pin_batch(data.__getitems__(idx))) if self._pin else data.__getitems__
             return BatchThread(build, sampler, self.config.prefetch_batches, self._build_pool), None
-        layout = ring_layout(dataset)
+        layout = dataset.fixed_layout()
         if not layout:
             return DataLoader(
                 # index arrays rather than lists: __getitems__ takes them whole

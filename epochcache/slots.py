@@ -30,7 +30,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from epochcache.dataset import ShardSetDataset
 from epochcache.order import EpochBatches
 from epochcache.transform import TransformedDataset
 from epochcache.wire import from_wire, to_wire
@@ -68,10 +67,6 @@ class SlotRing:
         self._next_writer = np.frombuffer(self._memory, np.int64, count)
         # batch first + k writes slot (first + k) % count first: the smallest such number per slot
         self._next_writer[:] = first + (np.arange(count) - first) % count
-
-    @property
-    def count(self) -> int:
-        return self._count
 
     def claim(self, number: int) -> dict[str, np.ndarray] | None:
         """In a worker: the full-size arrays of batch ``number``'s slot, or None while it is still in use."""
@@ -121,11 +116,7 @@ class SlotRing:
             return from_wire(message)
         slot = message.number % self._count
         arrays = self._arrays(slot)
-        batch: dict[str, Any] = {}
-        for name, (dtype, shape) in self._layout.items():
-            tensor = torch.empty((message.rows, *shape), dtype=_TORCH_DTYPES[dtype])
-            np.copyto(tensor.numpy(), arrays[name][: message.rows])
-            batch[name] = tensor
+        batch = {name: torch.from_numpy(array[: message.rows].copy()) for name, array in arrays.items()}
         # only now may the batch count slots later overwrite this one
         self._next_writer[slot] = message.number + self._count
         return {**batch, **from_wire(message.extras)}
@@ -138,19 +129,6 @@ class SlotRing:
             ).reshape(self._batch_size, *shape)
             for name, (dtype, shape) in self._layout.items()
         }
-
-
-_TORCH_DTYPES = {np.dtype(d): t for d, t in (
-    (np.uint8, torch.uint8), (np.int8, torch.int8), (np.int16, torch.int16), (np.int32, torch.int32),
-    (np.int64, torch.int64), (np.float16, torch.float16), (np.float32, torch.float32),
-    (np.float64, torch.float64), (np.uint16, torch.uint16), (np.uint32, torch.uint32),
-    (np.uint64, torch.uint64),
-)}
-
-
-def ring_layout(dataset: ShardSetDataset) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-    """The slot columns of ``dataset``: its fixed-width columns whose dtype torch can hold."""
-    return {name: spec for name, spec in dataset.fixed_layout().items() if spec[0] in _TORCH_DTYPES}
 
 
 class NumberedBatches:
