@@ -11,7 +11,8 @@ forks at the next batch boundary), so the next epoch starts without a stall.
 
 Two modes: without a user transform, batches are built in this process on a background thread
 (Arrow/numpy gathers release the GIL); with one (``transform`` per batch, ``sample_transform`` per
-sample), DataLoader worker processes run it. ``loader.num_workers`` overrides the choice.
+sample), DataLoader worker processes run it and send fixed-shape batches back through shared-memory
+slots (:mod:`epochcache.slots`). ``loader.num_workers`` overrides the choice.
 
 Under torch.distributed, ranks sharing a cache dir read one agreed snapshot, each a disjoint part of
 its order, and all ranks of the job get the same number of batches (see :mod:`epochcache.distributed`).
