@@ -20,7 +20,8 @@ workers sends paths, never data.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Union
 
@@ -40,26 +41,36 @@ Column = Union[np.ndarray, pa.Array, "BufferColumn"]
 class ShardSetDataset(Dataset[Batch]):
     """Rows of ``paths`` (with ``rows[i]`` rows each) in order; ``columns`` None = all but the key."""
 
-    def __init__(self, paths: Sequence[Path], rows: Sequence[int], columns: Sequence[str] | None = None):
+    def __init__(
+        self, paths: Sequence[Path], rows: Sequence[int], columns: Sequence[str] | None = None,
+        opened: OpenShards | None = None,
+    ):
+        """``opened``: shards already mapped in this process by an earlier dataset with the same
+        ``columns`` (a loader's consecutive epochs), reused instead of mapped again."""
         if len(paths) != len(rows):
             raise ValueError(f"{len(paths)} shard paths but {len(rows)} row counts")
         self._paths = [str(p) for p in paths]
         self._offsets = np.concatenate([[0], np.cumsum(np.asarray(rows, dtype=np.int64))])
         self._columns = list(columns) if columns is not None else None
         self._views: list[dict[str, Column]] | None = None
+        self._opened = opened
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_views": None}
+        return {**self.__dict__, "_views": None, "_opened": None}
 
     def __getitem__(self, index: int) -> Batch:
         batch = self.__getitems__([index])
         return {name: value[0] for name, value in batch.items()}
 
-    def __getitems__(self, indices: Sequence[int] | np.ndarray) -> Batch:
-        """The rows at ``indices`` as one batch: tensors of shape ``(len(indices), *item_shape)``."""
+    def __getitems__(self, indices: Sequence[int] | np.ndarray, out: dict[str, np.ndarray] | None = None) -> Batch:
+        """The rows at ``indices`` as one batch: tensors of shape ``(len(indices), *item_shape)``.
+
+        ``out`` (fixed-width column -> array of at least ``len(indices)`` rows of its dtype and item
+        shape, as :meth:`fixed_layout` gives) receives those columns instead of fresh arrays; their
+        tensors then share its memory."""
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"index out of range for a dataset of {len(self)} samples")
@@ -71,28 +82,44 @@ class ShardSetDataset(Dataset[Batch]):
         splits = np.flatnonzero(np.diff(shard_of)).tolist()
         starts, ends = [0, *(i + 1 for i in splits)], [*(i + 1 for i in splits), idx.size]
         template = views[int(shard_of[0])] if idx.size else views[0]
-        out: dict[str, Any] = {
-            name: np.empty((idx.size, *col.shape[1:]), col.dtype) if isinstance(col, np.ndarray) else []
+        given = out or {}
+        result: dict[str, Any] = {
+            name: (given[name][: idx.size] if name in given else np.empty((idx.size, *col.shape[1:]), col.dtype))
+            if isinstance(col, np.ndarray) else []
             for name, col in template.items()
         }
         # The hot loop of the loader: one gather per shard and column, as few Python steps as possible.
         # mode="clip" (indices are checked above): under the default mode="raise" numpy gathers into a
-        # temporary and copies that into ``out``, which costs a second copy of every batch.
+        # temporary and copies that into ``result``, which costs a second copy of every batch.
         for start, end in zip(starts, ends):
             rows = local[start:end]
             for name, col in views[shard_of[start]].items():
                 if isinstance(col, np.ndarray):
-                    col.take(rows, axis=0, out=out[name][start:end], mode="clip")
+                    col.take(rows, axis=0, out=result[name][start:end], mode="clip")
                 elif isinstance(col, BufferColumn):
-                    out[name].extend(col.take(rows))
+                    result[name].extend(col.take(rows))
                 else:
-                    out[name].append(col.take(pa.array(rows)))
-        return {name: _finish(value, template[name]) for name, value in out.items()}
+                    result[name].append(col.take(pa.array(rows)))
+        return {name: _finish(value, template[name]) for name, value in result.items()}
+
+    def fixed_layout(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """The fixed-width (tensor) columns, as name -> (dtype, item shape), read from the first shard
+        alone (shards of one cache share a schema); empty for an empty dataset."""
+        if not self._paths:
+            return {}
+        views = self._view(open_shard(Path(self._paths[0])), self._paths[0])
+        return {name: (col.dtype, col.shape[1:]) for name, col in views.items() if isinstance(col, np.ndarray)}
 
     def _open(self) -> list[dict[str, Column]]:
         if self._views is None:
-            self._views = [self._view(open_shard(Path(path)), path) for path in self._paths]
+            if self._opened is None:
+                self._views = [self._open_one(path) for path in self._paths]
+            else:
+                self._views = self._opened.views(self._paths, self._open_one)
         return self._views
+
+    def _open_one(self, path: str) -> dict[str, Column]:
+        return self._view(open_shard(Path(path)), path)
 
     def _view(self, table: pa.Table, path: str) -> dict[str, Column]:
         names = self._columns or [n for n in table.column_names if n != KEY_COLUMN]
@@ -116,6 +143,30 @@ class ShardSetDataset(Dataset[Batch]):
             else:
                 views[name] = _numpy_view(array)
         return views
+
+
+class OpenShards:
+    """The column views of the shards the latest dataset opened in this process, by path.
+
+    Shard file names carry their checksum, so a path always means the same bytes. Consecutive
+    epochs mostly read the same shards: reusing their mappings spares re-faulting every
+    page each epoch, and unmapping them (a large munmap blocks every page fault of the process for
+    milliseconds). Only the latest set is kept: shards that left it stay mapped while an older
+    dataset still holds them and are unmapped with it.
+    """
+
+    def __init__(self) -> None:
+        self._views: dict[str, dict[str, Column]] = {}
+        self._lock = threading.Lock()
+
+    def views(self, paths: Sequence[str], open_one: Callable[[str], dict[str, Column]]) -> list[dict[str, Column]]:
+        """The views of ``paths``, in order, opened with ``open_one`` where not already open."""
+        with self._lock:
+            known = self._views
+        fresh = {path: known[path] if path in known else open_one(path) for path in paths}
+        with self._lock:
+            self._views = fresh
+        return list(fresh.values())
 
 
 def _is_fixed_width(arrow_type: pa.DataType) -> bool:

@@ -1,15 +1,18 @@
 """EpochCachedLoader: one epoch per ``iter()``, over the shards present when it starts.
 
 Each epoch's shard set is a ledger snapshot taken together with a lease on exactly those shards, so
-the daemon cannot evict them mid-epoch; a heartbeat thread renews the lease and it is released when
-the epoch ends (a killed trainer's lease simply expires). When ``loader.prepare_next_at`` of an
+the daemon cannot evict them mid-epoch; a heartbeat thread renews the lease. A finished epoch's
+lease is released, and its batch thread or workers stopped, in the background once the next epoch's
+first batch is out (or at :meth:`EpochCachedLoader.close`), so that work never delays that batch;
+an epoch left early is released at once, and a killed trainer's lease simply expires. When ``loader.prepare_next_at`` of an
 epoch's batches are consumed, a background thread snapshots the next epoch, builds its dataset and
 order and starts its batches (the batch thread, or the DataLoader workers, which the main thread
 forks at the next batch boundary), so the next epoch starts without a stall.
 
 Two modes: without a user transform, batches are built in this process on a background thread
 (Arrow/numpy gathers release the GIL); with one (``transform`` per batch, ``sample_transform`` per
-sample), DataLoader worker processes run it. ``loader.num_workers`` overrides the choice.
+sample), DataLoader worker processes run it and send fixed-shape batches back through shared-memory
+slots (:mod:`epochcache.slots`). ``loader.num_workers`` overrides the choice.
 
 Under torch.distributed, ranks sharing a cache dir read one agreed snapshot, each a disjoint part of
 its order, and all ranks of the job get the same number of batches (see :mod:`epochcache.distributed`).
@@ -37,7 +40,7 @@ from pydantic import ValidationError
 from torch.utils.data import DataLoader
 
 from epochcache.config import LoaderConfig, format_validation_error, load_config
-from epochcache.dataset import ShardSetDataset
+from epochcache.dataset import OpenShards, ShardSetDataset
 from epochcache.device import pin_batch, pinning_available, to_device
 from epochcache.distributed import Peers
 from epochcache.errors import CacheEmptyError, ConfigError, LoaderError, ShardCorruptError
@@ -48,6 +51,7 @@ from epochcache.prefetch import BatchThread
 from epochcache.quarantine import quarantine_shard
 from epochcache.resume import Progress, read_state, snapshot_id
 from epochcache.shards import verify_shard
+from epochcache.slots import NumberedBatches, SlotDataset, SlotRing
 from epochcache.transform import BatchTransform, SampleTransform, TransformedDataset
 from epochcache.waiting import wait_for_samples
 from epochcache.wire import from_wire, to_wire
@@ -91,9 +95,10 @@ class _Epoch:
 
     def __init__(
         self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], loader: DataLoader[Any] | BatchThread | None,
-        pin: bool,
+        pin: bool, ring: SlotRing | None = None,
     ):
         self.info, self.lease, self.shards, self._loader, self._pin = info, lease, shards, loader, pin
+        self._unwrap = ring.receive if ring is not None else from_wire
         self._iterator: Iterator[Any] | None = loader if isinstance(loader, BatchThread) else None
 
     def start(self) -> None:
@@ -105,9 +110,10 @@ class _Epoch:
         if isinstance(self._loader, DataLoader) and self._iterator is not None:
             # Stop at the known count instead of asking for one more: the DataLoader would answer
             # that by joining its workers here, in the gap before the next epoch's first batch.
-            # Worker batches arrive as numpy (see epochcache.wire).
-            for batch in itertools.islice(self._iterator, len(self._loader)):
-                yield pin_batch(from_wire(batch)) if self._pin else from_wire(batch)
+            # Worker batches arrive in shared-memory slots or as numpy (epochcache.slots, .wire).
+            for message in itertools.islice(self._iterator, len(self._loader)):
+                batch = self._unwrap(message)
+                yield pin_batch(batch) if self._pin else batch
         elif self._iterator is not None:
             yield from self._iterator
 
@@ -158,12 +164,16 @@ class EpochCachedLoader:
         self._progress: Progress | None = None
         self._resume: Progress | None = None
         self._next: tuple[int, Future[_Epoch]] | None = None
+        self._retiring: _Epoch | None = None  # the last epoch, done but its batch source not yet stopped
         self._verified: set[str] = set()
+        self._opened = OpenShards()  # shard mappings the batch thread reuses from epoch to epoch
         self._held: set[str] = set()
         self._held_lock = threading.Lock()
         self._closed = threading.Event()
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-prepare")
         self._cleanup_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-cleanup")
+        # the batch threads of the current epoch and of the next one, prepared ahead
+        self._build_pool = ThreadPoolExecutor(2, thread_name_prefix="epochcache-batches")
         self._heartbeat = threading.Thread(target=self._renew_leases, name="epochcache-lease", daemon=True)
         self._heartbeat.start()
 
@@ -208,6 +218,7 @@ class EpochCachedLoader:
                     self._prepare_ahead(epoch + 1)
                     self._start_prepared()
                 self._progress.position = number + 1
+                self._retire_previous()  # once this epoch's first batch is out
                 yield batch
             self._progress = None
             self._prepare_ahead(epoch + 1)
@@ -215,8 +226,11 @@ class EpochCachedLoader:
         finally:
             stream.close()  # lets go of the DataLoader iterator now, so closing the epoch shuts its workers
             batches.close()
-            if completed:  # off the path to the next epoch's first batch: joining workers takes tens of ms
-                self._cleanup_pool.submit(self._finish, current)
+            if completed:
+                # Off the path to the next epoch's first batch: stopping workers takes tens of ms of
+                # CPU and releasing the lease a ledger write, so both wait until that batch is out.
+                self._retire_previous()
+                self._retiring = current
             else:
                 self._finish(current)
 
@@ -252,8 +266,10 @@ class EpochCachedLoader:
             return
         self._closed.set()
         self._drop_prepared()
+        self._retire_previous()
         self._prepare_pool.shutdown(wait=True)
         self._cleanup_pool.shutdown(wait=True)
+        self._build_pool.shutdown(wait=True)
         self._heartbeat.join()
         with self._held_lock:
             for lease_id in self._held:
@@ -315,7 +331,8 @@ class EpochCachedLoader:
         try:
             records = self._agreed_records(lease, resume)
             dataset = ShardSetDataset(
-                [self._layout.shards / r.filename for r in records], [r.rows for r in records], self.config.columns
+                [self._layout.shards / r.filename for r in records], [r.rows for r in records], self.config.columns,
+                self._opened,
             )
             sampler = self._sampler(len(dataset), epoch, resume.position if resume else 0)
             info = EpochInfo(
@@ -323,7 +340,8 @@ class EpochCachedLoader:
                 batches=sampler.count, skipped_shards=len(lease.shards) - len(records), prepared_ahead=ahead,
                 snapshot=snapshot_id([r.id for r in records]), start_batch=min(sampler.start, sampler.count),
             )
-            return _Epoch(info, lease, tuple(r.id for r in records), self._batch_source(dataset, sampler), self._pin)
+            source, ring = self._batch_source(dataset, sampler)
+            return _Epoch(info, lease, tuple(r.id for r in records), source, self._pin, ring)
         except BaseException:
             self._release(lease.id)
             raise
@@ -351,18 +369,34 @@ class EpochCachedLoader:
         count = peers.fewest_batches(batch_count(len(part), cfg.batch_size, cfg.drop_last))
         return EpochBatches(part, cfg.batch_size, count, start)
 
-    def _batch_source(self, dataset: ShardSetDataset, sampler: EpochBatches) -> DataLoader[Any] | BatchThread | None:
+    def _batch_source(
+        self, dataset: ShardSetDataset, sampler: EpochBatches
+    ) -> tuple[DataLoader[Any] | BatchThread | None, SlotRing | None]:
+        """The epoch's batches: a batch thread, or worker processes (sending through a slot ring
+        when the dataset has tensor columns, see epochcache.slots)."""
         if not len(sampler):
-            return None
+            return None, None
         data = TransformedDataset(dataset, self._transform, self._sample_transform)
         if self._workers == 0:
             build = (lambda idx: pin_batch(data.__getitems__(idx))) if self._pin else data.__getitems__
-            return BatchThread(build, sampler, self.config.prefetch_batches)
+            return BatchThread(build, sampler, self.config.prefetch_batches, self._build_pool), None
+        layout = dataset.fixed_layout()
+        if not layout:
+            return DataLoader(
+                # index arrays rather than lists: __getitems__ takes them whole
+                data, batch_sampler=sampler, num_workers=self._workers, collate_fn=to_wire,  # type: ignore[arg-type]
+                prefetch_factor=self.config.prefetch_batches,
+            ), None
+        # The DataLoader asks for at most prefetch_batches per worker ahead of the batch being handed
+        # out; two slots more leave room for the batch being copied out and a worker running ahead.
+        ahead = self.config.prefetch_batches * self._workers + 2
+        ring = SlotRing(layout, self.config.batch_size, ahead, sampler.start)
         return DataLoader(
-            # index arrays rather than lists: __getitems__ takes them whole
-            data, batch_sampler=sampler, num_workers=self._workers, collate_fn=to_wire,  # type: ignore[arg-type]
-            prefetch_factor=self.config.prefetch_batches,
-        )
+            # the ring reaches the workers through fork (anonymous shared memory cannot be pickled)
+            SlotDataset(data, ring), batch_sampler=NumberedBatches(sampler),  # type: ignore[arg-type]
+            num_workers=self._workers, collate_fn=to_wire, prefetch_factor=self.config.prefetch_batches,
+            multiprocessing_context="fork",
+        ), ring
 
     def _snapshot(self, epoch: int) -> Lease:
         """A lease on a non-empty shard set, waiting up to ``wait_timeout_s`` for the first shard."""
@@ -391,6 +425,12 @@ class EpochCachedLoader:
             return False
         self._verified.add(record.id)
         return True
+
+    def _retire_previous(self) -> None:
+        """Stop the finished epoch's batch source and release its lease, in the background."""
+        if self._retiring is not None:
+            self._cleanup_pool.submit(self._finish, self._retiring)
+            self._retiring = None
 
     def _finish(self, epoch: _Epoch) -> None:
         epoch.close()

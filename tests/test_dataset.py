@@ -13,7 +13,7 @@ import torch
 from conftest import ITEM_SHAPE, make_table
 from torch.utils.data import DataLoader
 
-from epochcache.dataset import ShardSetDataset
+from epochcache.dataset import OpenShards, ShardSetDataset
 from epochcache.errors import LoaderError
 from epochcache.shards import write_shard
 from epochcache.sources.base import KEY_COLUMN
@@ -133,3 +133,17 @@ def test_unknown_column_is_a_loader_error(tmp_path: Path) -> None:
     ds = ShardSetDataset(*_shards(tmp_path, [3]), columns=["id", "nope"])
     with pytest.raises(LoaderError, match="nope"):
         ds.__getitems__([0])
+
+
+def test_consecutive_datasets_reuse_the_shards_both_read(tmp_path: Path) -> None:
+    paths, rows = _shards(tmp_path, [5, 6, 7])
+    opened = OpenShards()
+    first = ShardSetDataset(paths[:2], rows[:2], opened=opened)
+    second = ShardSetDataset(paths[1:], rows[1:], opened=opened)
+    _check_rows(first.__getitems__(np.arange(11)), np.arange(11))
+    _check_rows(second.__getitems__(np.arange(13)), np.arange(5, 18))
+    assert second._open()[0] is first._open()[1], "the shard both read is mapped once"
+    third = ShardSetDataset(paths[:1], rows[:1], opened=opened)
+    third.__getitems__([0])
+    assert third._open()[0] is not first._open()[0], "a shard the latest dataset did not read is not kept"
+    assert pickle.loads(pickle.dumps(second))._opened is None, "workers map their own"

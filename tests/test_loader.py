@@ -73,8 +73,16 @@ def test_lease_held_during_epoch_and_released_after(synced: Config) -> None:
         if i == 0:
             leases = ledger.leases()
             assert len(leases) == 1 and len(leases[0]["shards"]) == loader.last_epoch.shards
-    # after the epoch, only the next epoch (being prepared in the background) holds a lease
-    wait_for(lambda: len(ledger.leases()) == 1, timeout=10)
+            finished = leases[0]["id"]
+    # after the epoch, its lease is kept (its batch source is stopped later, off the next epoch's
+    # first batch) beside the next epoch's, prepared in the background
+    next_epoch = wait_for(lambda: [lease["id"] for lease in ledger.leases() if lease["id"] != finished], timeout=10)[0]
+    assert finished in [lease["id"] for lease in ledger.leases()]
+    epoch = iter(loader)
+    next(epoch)
+    # once the next epoch's first batch is out, the finished epoch's lease is released
+    wait_for(lambda: [lease["id"] for lease in ledger.leases()] == [next_epoch], timeout=10)
+    epoch.close()
     loader.close()
     assert ledger.leases() == []
     ledger.close()
@@ -241,3 +249,13 @@ def test_an_error_while_building_a_batch_reaches_the_training_loop(synced: Confi
     with EpochCachedLoader(synced.cache.dir, batch_size=64, transform=broken, num_workers=0) as loader:
         with pytest.raises(ValueError, match="bad sample"):
             next(iter(loader))
+
+
+def test_batch_threads_are_reused_across_epochs(synced: Config) -> None:
+    """A thread that ends stalls the consumer at the epoch boundary, so epochs share two threads."""
+    with EpochCachedLoader(synced.cache.dir, batch_size=64, num_workers=0) as loader:
+        seen: set[threading.Thread] = set()  # the objects themselves: an ended thread's ident is reused
+        for _ in range(5):
+            for _batch in loader:
+                seen |= {t for t in threading.enumerate() if t.name.startswith("epochcache-batches")}
+        assert 1 <= len(seen) <= 2
