@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 
 from epochcache.errors import SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
-from epochcache.sources.remote import RemoteFiles
+from epochcache.sources.remote import FileSource
 
 _SUFFIXES = (".arrow", ".feather", ".ipc")
 _MAGIC = b"ARROW1"
@@ -38,27 +38,16 @@ class _Footer:
     blocks: tuple[tuple[int, int], ...]  # (start, end) byte span of each record batch
 
 
-class ArrowSource:
+class ArrowSource(FileSource):
     """A folder (or a single file) of Arrow IPC files at ``url``; see the module docstring."""
+    suffixes = _SUFFIXES
+    kind = 'Arrow IPC'
 
     def __init__(
         self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None
     ) -> None:
-        if columns is not None and not columns:
-            raise SourceError("source.columns is an empty list: name at least one column, or null for all")
-        self.url = url
-        self.columns = list(columns) if columns is not None else None
-        self._remote = RemoteFiles(url, storage_options)
+        super().__init__(url, columns, storage_options)
         self._footer = functools.lru_cache(maxsize=_FOOTER_CACHE)(self._read_footer)
-
-    def __repr__(self) -> str:  # never show storage_options: they may hold credentials
-        return f"ArrowSource({self.url!r})"
-
-    def list_objects(self) -> list[RemoteObject]:
-        return self._remote.list_all(_SUFFIXES, "Arrow IPC")
-
-    def scan_objects(self) -> Iterator[list[RemoteObject]]:
-        return self._remote.scan(_SUFFIXES, "Arrow IPC")
 
     def units(self, obj: RemoteObject) -> list[Unit]:
         """One unit per record batch; ``rows`` is None (known once read), ``nbytes`` its body size."""

@@ -26,14 +26,17 @@ import pyarrow.parquet as pq
 
 from epochcache.errors import SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
-from epochcache.sources.remote import RemoteFiles
+from epochcache.sources.remote import FileSource
 
 LABELS_FROM_FOLDER = "folder"
 _READERS = {".csv": pacsv.read_csv, ".jsonl": pajson.read_json, ".parquet": pq.read_table}
 
 
-class ObjectSource:
+class ObjectSource(FileSource):
     """A folder of objects, one sample each, at ``url``; see the module docstring."""
+
+    suffixes = ("",)
+    kind = "sample"
 
     def __init__(
         self,
@@ -42,11 +45,7 @@ class ObjectSource:
         storage_options: dict[str, Any] | None = None,
         labels: str | None = None,
     ) -> None:
-        if columns is not None and not columns:
-            raise SourceError("source.columns is an empty list: name at least one column, or null for all")
-        self.url = url
-        self.columns = list(columns) if columns is not None else None
-        self._remote = RemoteFiles(url, storage_options)
+        super().__init__(url, columns, storage_options)
         self._labels_from = labels
         self._sidecar_path: str | None = None
         self._sidecar: pa.Table | None = None
@@ -55,14 +54,8 @@ class ObjectSource:
             self._load_sidecar(labels, storage_options or {})
         self._check_columns()
 
-    def __repr__(self) -> str:  # never show storage_options: they may hold credentials
-        return f"ObjectSource({self.url!r})"
-
-    def list_objects(self) -> list[RemoteObject]:
-        return [obj for page in self.scan_objects() for obj in page]
-
     def scan_objects(self) -> Iterator[list[RemoteObject]]:
-        for page in self._remote.scan(("",), "sample"):
+        for page in super().scan_objects():
             kept = [obj for obj in page if obj.path != self._sidecar_path]
             if kept:
                 yield kept

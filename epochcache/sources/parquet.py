@@ -10,7 +10,7 @@ decodes them with pyarrow.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,7 @@ from fsspec.parquet import AlreadyBufferedFile
 
 from epochcache.errors import SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
-from epochcache.sources.remote import RemoteFiles
+from epochcache.sources.remote import FileSource
 
 _SUFFIXES = (".parquet", ".parq")
 # pyarrow reads this much of the tail in its first footer read; serving it from one GET keeps
@@ -33,30 +33,16 @@ _FOOTER_CACHE = 256
 _GAP_BYTES = 1 << 20
 
 
-class ParquetSource:
+class ParquetSource(FileSource):
     """A folder (or a single file) of Parquet files at ``url``; see the module docstring."""
+    suffixes = _SUFFIXES
+    kind = 'Parquet'
 
     def __init__(
-        self,
-        url: str,
-        columns: Sequence[str] | None = None,
-        storage_options: dict[str, Any] | None = None,
+        self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None
     ) -> None:
-        if columns is not None and not columns:
-            raise SourceError("source.columns is an empty list: name at least one column, or null for all")
-        self.url = url
-        self.columns = list(columns) if columns is not None else None
-        self._remote = RemoteFiles(url, storage_options)
+        super().__init__(url, columns, storage_options)
         self._metadata = functools.lru_cache(maxsize=_FOOTER_CACHE)(self._read_metadata)
-
-    def __repr__(self) -> str:  # never show storage_options: they may hold credentials
-        return f"ParquetSource({self.url!r})"
-
-    def list_objects(self) -> list[RemoteObject]:
-        return self._remote.list_all(_SUFFIXES, "Parquet")
-
-    def scan_objects(self) -> Iterator[list[RemoteObject]]:
-        return self._remote.scan(_SUFFIXES, "Parquet")
 
     def units(self, obj: RemoteObject) -> list[Unit]:
         metadata = self._metadata(obj)

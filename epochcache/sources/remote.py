@@ -1,4 +1,5 @@
-"""The two primitives every source builds on: list the objects under a URL, read a byte range.
+"""The two primitives every source builds on: list the objects under a URL, read a byte range;
+and :class:`FileSource`, the part every file-format source shares (URL, columns, listing by suffix).
 
 Errors are translated here, at the boundary: a missing object becomes :class:`ObjectMissingError`,
 a refused one :class:`SourceError` naming the URL; transient failures (5xx, resets, timeouts, a body
@@ -43,10 +44,6 @@ class RemoteFiles:
 
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
         return f"RemoteFiles({self.url!r})"
-
-    def list_all(self, suffixes: Sequence[str], kind: str) -> list[RemoteObject]:
-        """Every object :meth:`scan` yields, in one list (fine for small listings and tests)."""
-        return [obj for page in self.scan(suffixes, kind) for obj in page]
 
     def scan(self, suffixes: Sequence[str], kind: str, page_size: int = _PAGE) -> Iterator[list[RemoteObject]]:
         """Objects whose names end with one of ``suffixes``, sorted by path, in pages of up to
@@ -113,3 +110,36 @@ class RemoteFiles:
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
+class FileSource:
+    """Base of the sources over files under one URL: subclasses set ``suffixes`` and ``kind`` (what the
+    files are called in the error when none is found) and add the :class:`Source` protocol's ``units``
+    and ``read``.
+
+    ``columns`` None means all; an empty list is refused, since it would cache rows of nothing.
+    """
+
+    suffixes: tuple[str, ...] = ()
+    kind: str = "file"
+    column_word: str = "column"  # what a selectable column is called in this format
+
+    def __init__(
+        self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None
+    ) -> None:
+        if columns is not None and not columns:
+            raise SourceError(
+                f"source.columns is an empty list: name at least one {self.column_word}, or null for all"
+            )
+        self.url = url
+        self.columns = list(columns) if columns is not None else None
+        self._remote = RemoteFiles(url, storage_options)
+
+    def __repr__(self) -> str:  # never show storage_options: they may hold credentials
+        return f"{type(self).__name__}({self.url!r})"
+
+    def list_objects(self) -> list[RemoteObject]:
+        return [obj for page in self.scan_objects() for obj in page]
+
+    def scan_objects(self) -> Iterator[list[RemoteObject]]:
+        return self._remote.scan(self.suffixes, self.kind)

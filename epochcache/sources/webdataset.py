@@ -13,38 +13,21 @@ from __future__ import annotations
 import io
 import posixpath
 import tarfile
-from collections.abc import Iterator, Sequence
-from typing import Any
 
 import pyarrow as pa
 
 from epochcache.errors import SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
-from epochcache.sources.remote import RemoteFiles
+from epochcache.sources.remote import FileSource
 
 _SUFFIXES = (".tar",)
 
 
-class WebDatasetSource:
+class WebDatasetSource(FileSource):
     """A folder (or a single file) of WebDataset tar shards at ``url``; see the module docstring."""
-
-    def __init__(
-        self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None
-    ) -> None:
-        if columns is not None and not columns:
-            raise SourceError("source.columns is an empty list: name at least one field, or null for all")
-        self.url = url
-        self.columns = list(columns) if columns is not None else None
-        self._remote = RemoteFiles(url, storage_options)
-
-    def __repr__(self) -> str:  # never show storage_options: they may hold credentials
-        return f"WebDatasetSource({self.url!r})"
-
-    def list_objects(self) -> list[RemoteObject]:
-        return self._remote.list_all(_SUFFIXES, "WebDataset tar")
-
-    def scan_objects(self) -> Iterator[list[RemoteObject]]:
-        return self._remote.scan(_SUFFIXES, "WebDataset tar")
+    suffixes = _SUFFIXES
+    kind = 'WebDataset tar'
+    column_word = 'field'
 
     def units(self, obj: RemoteObject) -> list[Unit]:
         return [Unit(obj, 0, None, 0, obj.size)]
