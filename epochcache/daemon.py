@@ -21,6 +21,7 @@ never kills the daemon; at the end of the pass the skipped units are read again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
@@ -203,6 +204,9 @@ class _Run:
         self.ledger, self.streams, self.stop, self.once = ledger, streams, stop, once
         self.report = SyncReport()
         self.cached = {unit for record in ledger.shards() for unit in record.units}
+        # Units read (or being read) and not yet published: a stream that wraps while its last units
+        # are still on their way must not read them again in its next pass.
+        self.claimed: set[str] = set()
         self.throttle = _Throttle(self.cfg.sampler.max_bytes_per_s, stop)
         self.rank, self.nodes = self.cfg.sampler.partition()
         sampler = self.cfg.sampler
@@ -290,13 +294,13 @@ class _Run:
             if objects is None:
                 return
             pass_ = cursor.pass_
-            sampler = Sampler(lambda batch: self._units_of(pool, stream, pass_, batch), objects,
+            sampler = Sampler(functools.partial(self._units_of, pool, stream, pass_), objects,
                               self.cfg.sampler.seed, mix=self.cfg.sampler.mix_units,
                               node_rank=self.rank, num_nodes=self.nodes)
             stream.totals = {pass_: len(sampler.node_objects(pass_))}
             fetching = False
             for unit, after in sampler.walk(cursor):
-                fetching = fetching or unit.key not in self.cached
+                fetching = fetching or not self._taken(unit.key)
                 yield unit, after
             cursor = cursor.next_pass()
             yield None, cursor
@@ -361,8 +365,10 @@ class _Run:
                 units = self.retrier.call(stream.source.units, obj, what=f"metadata of {obj.path}")
                 wanted = units if info["index"] is None else [units[info["index"]]]
                 for unit in wanted:
-                    if unit.key not in self.cached:
-                        yield unit, self._read(stream, unit)
+                    if not self._taken(unit.key):
+                        table = self._read(stream, unit)
+                        self.claimed.add(unit.key)
+                        yield unit, table
             except ObjectMissingError as exc:
                 log.warning("dropping %s: %s", key, describe(exc))
                 self.ledger.incr("objects_missing")
@@ -376,6 +382,10 @@ class _Run:
         table = self.retrier.call(stream.source.read, unit, what=f"{unit.key}")
         self._count_fetch(stream, unit, table)
         return table
+
+    def _taken(self, key: str) -> bool:
+        """Whether the unit is cached or on its way there: it is not read again."""
+        return key in self.cached or key in self.claimed
 
     def _stop_reason(self) -> StopReason:
         return StopReason.STOPPED if self.stop.is_set() else StopReason.BUDGET_FULL
@@ -433,8 +443,10 @@ class _Run:
         limit = 2 * self.cfg.sampler.concurrency
         try:
             for stream, unit, after in walk:
-                future = None if unit is None or unit.key in self.cached else pool.submit(
-                    self.retrier.call, stream.source.read, unit, what=unit.key)
+                future = None
+                if unit is not None and not self._taken(unit.key):
+                    self.claimed.add(unit.key)
+                    future = pool.submit(self.retrier.call, stream.source.read, unit, what=unit.key)
                 window.append((stream, unit, after, future))
                 while len(window) >= limit or (window and window[0][3] is None):
                     yield self._complete(*window.popleft())
@@ -456,6 +468,7 @@ class _Run:
         try:
             table = future.result()
         except (FetchFailedError, ObjectMissingError) as exc:
+            self.claimed.discard(unit.key)
             self._skip(stream, after.cursors[stream.name].pass_, unit.key, unit.obj, unit.index, exc)
             return stream, unit, after, None
         self._count_fetch(stream, unit, table)
@@ -478,7 +491,8 @@ class _Run:
             cursor, prefix = position.cursors[stream.name], f"{stream.name}." if stream.name else ""
             total = stream.totals.get(cursor.pass_)
             done = cursor.group * self.cfg.sampler.mix_units
-            progress |= {f"{prefix}pass": cursor.pass_, f"{prefix}objects_done": done if total is None else min(done, total),
+            progress |= {f"{prefix}pass": cursor.pass_,
+                         f"{prefix}objects_done": done if total is None else min(done, total),
                          f"{prefix}objects_total": total}
         return {**progress, "node_rank": self.rank, "num_nodes": self.nodes,
                 "units_skipped": self.report.units_skipped}
@@ -529,6 +543,7 @@ class _Run:
         for victim in published.evicted:
             self.cached.difference_update(victim.units)
         self.cached.update(record.units)
+        self.claimed.difference_update(record.units)
         self.report.evicted += len(published.evicted)
         self.report.shards_published += 1
         self.report.bytes_published += record.nbytes
