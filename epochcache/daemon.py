@@ -1,5 +1,10 @@
 """The sync daemon: sampler -> fetch pool -> shard builder -> write -> publish -> evict.
 
+Several sources (``config.sources``) are walked as streams, each with its own listing, passes and
+cursor, merged by weight (:mod:`epochcache.mixing`); the cursor published with a shard holds every
+stream's position. A stream's pass end travels through the fetch window as an item of its own, so
+its skipped units are retried in order and its cursor moves to the next pass only there.
+
 One daemon per cache directory (an flock on ``daemon.lock``). At start it reconciles disk with the
 ledger and resumes the sampler's cursor. Units are fetched concurrently but consumed in sampler order,
 so the cursor published with a shard always marks a prefix of the order: a crash at any moment loses

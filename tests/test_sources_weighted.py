@@ -179,3 +179,14 @@ def test_source_is_shorthand_for_one_unnamed_source_of_weight_one(tmp_path: Path
                            "cache.dir": str(tmp_path)})
     named = _config(tmp_path, [{"url": "s3://b/a", "weight": 1}, {"url": "s3://b/c", "weight": 3}])
     assert [(s.name, s.weight) for s in named.sources] == [("source0", 1.0), ("source1", 3.0)]
+
+
+def test_config_yaml_documents_sources_with_an_example_that_loads(tmp_path: Path) -> None:
+    text = (Path(__file__).parent.parent / "config.yaml").read_text(encoding="utf-8")
+    lines = text.splitlines()
+    start = lines.index("# sources:")
+    example = [line[2:] for line in lines[start:] if line.startswith(("# sources:", "#   - "))]
+    data = yaml.safe_load("\n".join(example))
+    config = load_config(None, {**data, "cache.dir": str(tmp_path)}, env={})
+    assert [(s.name, s.weight) for s in config.sources] == [("images", 3.0), ("text", 1.0)]
+    assert "weight:" in text and "name:" in text
