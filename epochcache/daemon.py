@@ -155,8 +155,9 @@ class _Stream:
 
 
 # A walk item: the stream, its unit (None: the stream's pass ended; its cursor moves to the next
-# pass) and the merged position just past it.
-_Item = tuple[_Stream, Unit | None, MixCursor]
+# pass) and the merged position just past it. Stream None: the walk pauses (every stream idle), so
+# what is built is published now rather than after the pause.
+_Item = tuple[_Stream | None, Unit | None, MixCursor]
 
 
 class SyncDaemon:
@@ -243,6 +244,11 @@ class _Run:
         (``once``) or, with ``once``, every stream has completed a pass."""
         building = _Building(position)
         for stream, unit, after, table in self._fetched(pool, self._walk(pool, position)):
+            if stream is None:
+                if building.tables and not self._publish(building):
+                    return self._stop_reason()
+                building.reset(after)
+                continue
             if unit is None:  # the stream's pass ended: read what it skipped, then move to its next pass
                 before = building.cursor.cursors[stream.name]
                 for retried, rows in self._retry_skipped(stream, before.pass_):
@@ -277,6 +283,7 @@ class _Run:
             now = time.monotonic()
             ready = {s.name: s.config.weight for s in live if s.idle_until <= now}
             if not ready:
+                yield None, None, position
                 log.info("every unit of the remote is cached; checking again in %.0fs", _IDLE_POLL_S)
                 self.stop.wait(min(s.idle_until for s in live) - now)
                 continue
@@ -441,19 +448,19 @@ class _Run:
 
     def _fetched(
         self, pool: ThreadPoolExecutor, walk: Iterator[_Item]
-    ) -> Iterator[tuple[_Stream, Unit | None, MixCursor, pa.Table | None]]:
+    ) -> Iterator[tuple[_Stream | None, Unit | None, MixCursor, pa.Table | None]]:
         """Yield walk items in order with their table (None for units already cached and pass ends),
-        keeping up to ``2 * concurrency`` reads in flight."""
-        window: deque[tuple[_Stream, Unit | None, MixCursor, Future[pa.Table] | None]] = deque()
+        keeping up to ``2 * concurrency`` reads in flight; a pause of the walk drains the window."""
+        window: deque[tuple[_Stream | None, Unit | None, MixCursor, Future[pa.Table] | None]] = deque()
         limit = 2 * self.cfg.sampler.concurrency
         try:
             for stream, unit, after in walk:
                 future = None
-                if unit is not None and not self._taken(unit.key):
+                if stream is not None and unit is not None and not self._taken(unit.key):
                     self.claimed.add(unit.key)
                     future = pool.submit(self.retrier.call, stream.source.read, unit, what=unit.key)
                 window.append((stream, unit, after, future))
-                while len(window) >= limit or (window and window[0][3] is None):
+                while len(window) >= limit or (window and (window[0][3] is None or stream is None)):
                     yield self._complete(*window.popleft())
                 if self.stop.is_set():
                     return
@@ -465,10 +472,10 @@ class _Run:
                     future.cancel()
 
     def _complete(
-        self, stream: _Stream, unit: Unit | None, after: MixCursor, future: Future[pa.Table] | None
-    ) -> tuple[_Stream, Unit | None, MixCursor, pa.Table | None]:
+        self, stream: _Stream | None, unit: Unit | None, after: MixCursor, future: Future[pa.Table] | None
+    ) -> tuple[_Stream | None, Unit | None, MixCursor, pa.Table | None]:
         """The unit's table; None if it is cached, or if it failed and was recorded as skipped."""
-        if future is None or unit is None:
+        if future is None or unit is None or stream is None:
             return stream, unit, after, None
         try:
             table = future.result()

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from conftest import DaemonThread, wait_for
 from epochcache import ConfigError, Ledger, SyncDaemon
 from epochcache.cli import main
 from epochcache.config import Config, load_config
@@ -190,3 +191,18 @@ def test_config_yaml_documents_sources_with_an_example_that_loads(tmp_path: Path
     config = load_config(None, {**data, "cache.dir": str(tmp_path)}, env={})
     assert [(s.name, s.weight) for s in config.sources] == [("images", 3.0), ("text", 1.0)]
     assert "weight:" in text and "name:" in text
+
+
+def test_a_continuous_sync_publishes_every_source_whole_before_it_idles(tmp_path: Path) -> None:
+    one = _write(tmp_path / "one", files=2, rows_per_file=96)
+    two = _write(tmp_path / "two", files=3, rows_per_file=96)
+    config = _config(tmp_path, [{"url": one, "weight": 1, "name": "one"}, {"url": two, "weight": 1, "name": "two"}])
+    runner = DaemonThread(SyncDaemon(config, progress=False))
+    ledger = _ledger(config)
+    try:
+        # Far less than a shard: only the flush before the walk pauses (all cached) can publish it.
+        wait_for(lambda: ledger.usage().rows == 5 * 96, timeout=30)
+    finally:
+        ledger.close()
+        report = runner.stop()
+    assert report.units_published == 5 * 96 // GROUP_ROWS == report.units_fetched, "each unit read once"
