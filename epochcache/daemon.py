@@ -44,7 +44,7 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from epochcache.config import Config, SourceConfig
-from epochcache.errors import FetchFailedError, ObjectMissingError
+from epochcache.errors import FetchFailedError, ObjectMissingError, SourceError
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Ledger, ShardRecord
 from epochcache.listing import PagedListing, store_listing
@@ -213,6 +213,7 @@ class _Run:
         # Units read (or being read) and not yet published: a stream that wraps while its last units
         # are still on their way must not read them again in its next pass.
         self.claimed: set[str] = set()
+        self.schema: tuple[str, pa.Schema] | None = None  # the first rows' (source name, schema)
         self.throttle = _Throttle(self.cfg.sampler.max_bytes_per_s, stop)
         self.rank, self.nodes = self.cfg.sampler.partition()
         sampler = self.cfg.sampler
@@ -252,9 +253,9 @@ class _Run:
             if unit is None:  # the stream's pass ended: read what it skipped, then move to its next pass
                 before = building.cursor.cursors[stream.name]
                 for retried, rows in self._retry_skipped(stream, before.pass_):
-                    if not self._add(building, retried, rows):
+                    if not self._add(building, stream, retried, rows):
                         return self._stop_reason()
-            elif table is not None and not self._add(building, unit, table):
+            elif table is not None and not self._add(building, stream, unit, table):
                 return self._stop_reason()
             building.cursor = after
             if building.nbytes >= self.cfg.cache.shard_bytes:
@@ -321,8 +322,10 @@ class _Run:
             if not fetching:
                 stream.idle_until = time.monotonic() + _IDLE_POLL_S
 
-    def _add(self, building: _Building, unit: Unit, table: pa.Table) -> bool:
-        """Add a unit's rows, first publishing what is built if they would overflow the shard."""
+    def _add(self, building: _Building, stream: _Stream, unit: Unit, table: pa.Table) -> bool:
+        """Add a unit's rows, first publishing what is built if they would overflow the shard.
+        Raises :class:`SourceError` if its columns differ from the rows before it (shards mix sources)."""
+        self._check_schema(stream, unit, table)
         if building.tables and building.nbytes + table.nbytes > self.cfg.cache.shard_bytes:
             if not self._publish(building):
                 return False
@@ -394,6 +397,18 @@ class _Run:
         table = self.retrier.call(stream.source.read, unit, what=f"{unit.key}")
         self._count_fetch(stream, unit, table)
         return table
+
+    def _check_schema(self, stream: _Stream, unit: Unit, table: pa.Table) -> None:
+        if self.schema is None:
+            self.schema = (stream.name, table.schema)
+            return
+        first, schema = self.schema
+        if not table.schema.equals(schema, check_metadata=False):
+            raise SourceError(
+                f"{unit.key} (source {stream.name!r}) has columns {_columns(table.schema)} but earlier rows "
+                f"(source {first!r}) have {_columns(schema)}: shards mix every source's rows, so give all "
+                "sources the same columns and types (select them with each source's columns key)"
+            )
 
     def _taken(self, key: str) -> bool:
         """Whether the unit is cached or on its way there: it is not read again."""
@@ -564,6 +579,10 @@ class _Run:
         self.bar.set_postfix(shards=self.report.shards_published, samples=self.report.samples_published,
                              evicted=self.report.evicted, refresh=False)
         return True
+
+
+def _columns(schema: pa.Schema) -> str:
+    return "[" + ", ".join(f"{field.name}: {field.type}" for field in schema) + "]"
 
 
 @contextmanager

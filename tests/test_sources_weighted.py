@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import DaemonThread, wait_for
-from epochcache import ConfigError, Ledger, SyncDaemon
+from epochcache import ConfigError, Ledger, SourceError, SyncDaemon
 from epochcache.cli import main
 from epochcache.config import Config, load_config
 from epochcache.daemon import StopReason
@@ -206,3 +206,14 @@ def test_a_continuous_sync_publishes_every_source_whole_before_it_idles(tmp_path
         ledger.close()
         report = runner.stop()
     assert report.units_published == 5 * 96 // GROUP_ROWS == report.units_fetched, "each unit read once"
+
+
+def test_sources_with_other_columns_stop_with_a_message_naming_both(tmp_path: Path) -> None:
+    ids = _write(tmp_path / "ids", files=1, rows_per_file=64)
+    (tmp_path / "names").mkdir()
+    pq.write_table(pa.table({"name": pa.array(["x"] * 64)}), str(tmp_path / "names" / "n.parquet"),
+                   row_group_size=GROUP_ROWS)
+    config = _config(tmp_path, [{"url": ids, "weight": 1, "name": "ids"},
+                                {"url": str(tmp_path / "names"), "weight": 1, "name": "names"}])
+    with pytest.raises(SourceError, match=r"source 'names'.* has columns \[name: string.*source 'ids'.*id: int64"):
+        SyncDaemon(config, progress=False).run(once=True)
