@@ -217,3 +217,25 @@ def test_sources_with_other_columns_stop_with_a_message_naming_both(tmp_path: Pa
                                 {"url": str(tmp_path / "names"), "weight": 1, "name": "names"}])
     with pytest.raises(SourceError, match=r"source 'names'.* has columns \[name: string.*source 'ids'.*id: int64"):
         SyncDaemon(config, progress=False).run(once=True)
+
+
+def test_two_s3_prefixes_each_complete_one_pass_once(
+    s3: Any, bucket: str, s3_options: dict[str, Any], tmp_path: Path
+) -> None:
+    for prefix, files in (("images", 2), ("text", 3)):
+        for number in range(files):
+            with s3.open(f"{bucket}/{prefix}/part-{number}.parquet", "wb") as f:
+                pq.write_table(pa.table({"id": np.arange(64, dtype=np.int64)}), f, row_group_size=GROUP_ROWS)
+    config = _config(tmp_path, [
+        {"url": f"s3://{bucket}/images", "weight": 3, "name": "images", "storage_options": s3_options},
+        {"url": f"s3://{bucket}/text", "weight": 1, "name": "text", "storage_options": s3_options},
+    ])
+    fetched: list[str] = []
+    report = SyncDaemon(config, progress=False, on_fetch=lambda unit: fetched.append(unit.key)).run(once=True)
+    assert report.reason is StopReason.EXHAUSTED and report.samples_published == 5 * 64
+    assert len(fetched) == len(set(fetched)) == 10, "every row group of both prefixes read once"
+    ledger = _ledger(config)
+    cursor = ledger.cursor()
+    ledger.close()
+    assert cursor["streams"] == {"images": {"pass": 1, "group": 0, "step": 0},
+                                 "text": {"pass": 1, "group": 0, "step": 0}}, "each source ended its own pass 0"
