@@ -276,12 +276,17 @@ class _Run:
         """The streams' walks merged by weight (:func:`~epochcache.mixing.pick`) from ``position``.
 
         A stream whose last pass found every unit cached gives nothing for ``_IDLE_POLL_S`` (its
-        share goes to the others); with ``once`` a stream stops after one pass. Ends when stopped
-        or when every stream stopped."""
+        share goes to the others, and it comes back at its share rather than catching up on the rows
+        it could not give); with ``once`` a stream stops after one pass. Ends when stopped or when
+        every stream stopped."""
         walks = {s.name: self._stream_walk(pool, s, position.cursors[s.name]) for s in self.streams}
+        weights = {s.name: s.config.weight for s in self.streams}
         live = list(self.streams)
         while live and not self.stop.is_set():
             now = time.monotonic()
+            for back in (s for s in live if 0 < s.idle_until <= now):
+                back.idle_until = 0.0
+                position = position.caught_up(back.name, weights)
             ready = {s.name: s.config.weight for s in live if s.idle_until <= now}
             if not ready:
                 yield None, None, position
@@ -310,7 +315,9 @@ class _Run:
             sampler = Sampler(functools.partial(self._units_of, pool, stream, pass_), objects,
                               self.cfg.sampler.seed, mix=self.cfg.sampler.mix_units,
                               node_rank=self.rank, num_nodes=self.nodes)
-            stream.totals = {pass_: len(sampler.node_objects(pass_))}
+            # The pass before stays known: its last units are still consumed while this one is walked.
+            stream.totals = {p: n for p, n in stream.totals.items() if p == pass_ - 1}
+            stream.totals[pass_] = len(sampler.node_objects(pass_))
             fetching = False
             for unit, after in sampler.walk(cursor):
                 fetching = fetching or not self._taken(unit.key)

@@ -36,6 +36,12 @@ class MixCursor:
         """The position after ``stream`` moved to ``cursor`` through ``rows`` more rows."""
         return MixCursor({**self.cursors, stream: cursor}, {**self.rows, stream: self.rows[stream] + rows})
 
+    def caught_up(self, stream: str, weights: Mapping[str, float]) -> MixCursor:
+        """The position with ``stream``'s rows raised to its share of all rows counted, so a stream
+        that could give nothing for a while resumes at its share instead of taking every pick."""
+        share = weights[stream] / sum(weights.values()) * sum(self.rows.values())
+        return MixCursor(self.cursors, {**self.rows, stream: max(self.rows[stream], int(share))})
+
     def to_dict(self) -> dict[str, Any]:
         if list(self.cursors) == [""]:
             return self.cursors[""].to_dict()
