@@ -129,14 +129,17 @@ class _Stream:
 
     ``totals``: objects of this node's share of each pass listed so far (for progress);
     ``rows_per_byte``: seen in this source's reads, to estimate the rows of units whose metadata does
-    not tell them (Arrow IPC, WebDataset); ``idle_until``: while every unit of its last pass was
-    cached, it gives no unit until then (monotonic seconds).
+    not tell them (Arrow IPC, WebDataset); ``estimates``: those estimates for units not read yet;
+    ``unaccounted``: rows read minus rows estimated, for the pick to count next; ``idle_until``:
+    while every unit of its last pass was cached, it gives no unit until then (monotonic seconds).
     """
 
     config: SourceConfig
     source: Source
     totals: dict[int, int] = field(default_factory=dict)
     rows_per_byte: float | None = None
+    estimates: dict[str, int] = field(default_factory=dict)
+    unaccounted: int = 0
     idle_until: float = 0.0
 
     @property
@@ -144,14 +147,20 @@ class _Stream:
         return self.config.name
 
     def rows_of(self, unit: Unit) -> int:
-        """The unit's rows from metadata, else estimated from its bytes (1 before any read)."""
+        """The unit's rows from metadata, else estimated from its bytes (1 before any read) and
+        remembered, so the read can correct the count."""
         if unit.rows is not None:
             return unit.rows
-        return max(1, round(unit.nbytes * self.rows_per_byte)) if self.rows_per_byte else 1
+        estimate = max(1, round(unit.nbytes * self.rows_per_byte)) if self.rows_per_byte else 1
+        self.estimates[unit.key] = estimate
+        return estimate
 
     def learn(self, unit: Unit, table: pa.Table) -> None:
-        if unit.rows is None and unit.nbytes > 0:
-            self.rows_per_byte = table.num_rows / unit.nbytes
+        """Take in a read unit's true rows: the estimate's error goes to ``unaccounted``."""
+        if unit.rows is None:
+            self.unaccounted += table.num_rows - self.estimates.pop(unit.key, table.num_rows)
+            if unit.nbytes > 0:
+                self.rows_per_byte = table.num_rows / unit.nbytes
 
 
 # A walk item: the stream, its unit (None: the stream's pass ended; its cursor moves to the next
@@ -299,7 +308,8 @@ class _Run:
                 live.remove(stream)
                 continue
             unit, cursor = item
-            position = position.advance(stream.name, cursor, 0 if unit is None else stream.rows_of(unit))
+            rows, stream.unaccounted = stream.unaccounted + (0 if unit is None else stream.rows_of(unit)), 0
+            position = position.advance(stream.name, cursor, rows)
             yield stream, unit, position
 
     def _stream_walk(

@@ -82,6 +82,31 @@ def test_the_mix_written_follows_the_weights_in_every_window_of_10000_samples(tm
     assert worst < 0.01, f"source a's share is off its weight by {worst:.2%} in some window of {window}"
 
 
+def _write_arrow(root: Path, files: int, rows_per_file: int, batch_rows: int) -> str:
+    """Arrow IPC files of record batches of ``batch_rows`` rows: units whose rows no metadata tells."""
+    root.mkdir(parents=True)
+    for number in range(files):
+        table = pa.table({"id": np.arange(rows_per_file, dtype=np.int64)})
+        with pa.ipc.new_file(str(root / f"part-{number:03d}.arrow"), table.schema) as writer:
+            writer.write_table(table, max_chunksize=batch_rows)
+    return str(root)
+
+
+def test_units_without_row_counts_are_mixed_by_rows_estimated_from_bytes(tmp_path: Path) -> None:
+    # Batches of 16 rows in one source and 64 in the other: counting units would give the first a
+    # fifth of the rows, not the half its weight asks; rows estimated from unit bytes keep the weights.
+    small = _write_arrow(tmp_path / "small", files=4, rows_per_file=1024, batch_rows=16)
+    large = _write_arrow(tmp_path / "large", files=4, rows_per_file=1024, batch_rows=64)
+    config = _config(tmp_path, [{"url": small, "weight": 1, "name": "small", "format": "arrow"},
+                                {"url": large, "weight": 1, "name": "large", "format": "arrow"}])
+    _, records = _run_until(config, lambda _, records: sum(r.rows for r in records) >= 4000)
+    layout = CacheLayout(Path(config.cache.dir))
+    keys = pa.chunked_array([open_shard(layout.shards / r.filename)[KEY_COLUMN] for r in records]).to_pylist()
+    share = sum(key.startswith(small + "/") for key in keys) / len(keys)
+    print(f"share of the 16-row batches {share:.3f} of {len(keys)} samples")
+    assert abs(share - 0.5) < 0.03, share
+
+
 def test_each_source_keeps_its_own_pass_and_status_shows_both(tmp_path: Path, capsys: Any) -> None:
     tiny = _write(tmp_path / "tiny", files=1, rows_per_file=4 * GROUP_ROWS)  # wraps after 4 units
     big = _write(tmp_path / "big", files=16, rows_per_file=1024)
