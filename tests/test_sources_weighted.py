@@ -3,7 +3,12 @@ cursor, a restart resumes every source, bad weights are config errors, status sh
 
 from __future__ import annotations
 
+import random
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -264,3 +269,44 @@ def test_two_s3_prefixes_each_complete_one_pass_once(
     ledger.close()
     assert cursor["streams"] == {"images": {"pass": 1, "group": 0, "step": 0},
                                  "text": {"pass": 1, "group": 0, "step": 0}}, "each source ended its own pass 0"
+
+
+def test_kill_9_of_a_two_source_daemon_neither_repeats_nor_skips(tmp_path: Path) -> None:
+    one = _write(tmp_path / "one", files=4, rows_per_file=512)
+    two = _write(tmp_path / "two", files=8, rows_per_file=512)
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump({
+        "sources": [{"url": one, "weight": 1, "name": "one"}, {"url": two, "weight": 2, "name": "two"}],
+        "cache": {"dir": str(tmp_path / "cache"), **ROOMY},
+        "sampler": {"max_bytes_per_s": "150KB", "concurrency": 2},  # slow: the kills land mid-pass
+    }))
+    ledger = Ledger(CacheLayout.create(tmp_path / "cache").ledger)
+    rng = random.Random(3)
+    try:
+        for life in range(6):
+            proc = subprocess.Popen([sys.executable, "-m", "epochcache", "sync", "-c", str(config_path),
+                                     "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            try:
+                wait_for(lambda p=proc: (ledger.daemon_state() or {}).get("pid") == p.pid or p.poll() is not None)
+                assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+                time.sleep(rng.uniform(0.2, 0.8))  # the random moment of the kill, not a synchronisation
+            finally:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(30)
+                if proc.stderr:
+                    proc.stderr.close()
+            units = [unit for record in ledger.shards() for unit in record.units]
+            assert len(units) == len(set(units)), f"life {life}: a unit is cached twice"
+        streams = ledger.cursor()["streams"]
+        assert streams["one"]["pass"] == streams["two"]["pass"] == 0, "the kills land before a pass ends"
+        cached_before = ledger.usage().rows
+        assert 0 < cached_before < 12 * 512, cached_before
+        finish = subprocess.run([sys.executable, "-m", "epochcache", "sync", "-c", str(config_path), "--once",
+                                 "--no-progress", "--set", "sampler.max_bytes_per_s=null"],
+                                capture_output=True, text=True, timeout=120)
+        assert finish.returncode == 0, finish.stderr
+        layout = CacheLayout(tmp_path / "cache")
+        keys = [key for r in ledger.shards() for key in open_shard(layout.shards / r.filename)[KEY_COLUMN].to_pylist()]
+    finally:
+        ledger.close()
+    assert len(keys) == len(set(keys)) == 12 * 512, "every sample of both sources cached exactly once"
