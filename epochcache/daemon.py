@@ -308,7 +308,9 @@ class _Run:
                 live.remove(stream)
                 continue
             unit, cursor = item
-            rows, stream.unaccounted = stream.unaccounted + (0 if unit is None else stream.rows_of(unit)), 0
+            # Only rows to be written count: a unit already cached (or on its way) adds none.
+            fresh = stream.rows_of(unit) if unit is not None and not self._taken(unit.key) else 0
+            rows, stream.unaccounted = stream.unaccounted + fresh, 0
             position = position.advance(stream.name, cursor, rows)
             yield stream, unit, position
 
