@@ -293,7 +293,10 @@ def load_config(
     try:
         return Config.model_validate(data, context={"base_dir": base_dir})
     except ValidationError as exc:
-        raise ConfigError(f"{origin}: {format_validation_error(exc)}") from None
+        message = format_validation_error(exc)
+        if "source" in data:  # the shorthand's entry: name its keys as the user wrote them
+            message = message.replace("sources.0.", "source.")
+        raise ConfigError(f"{origin}: {message}") from None
 
 
 def format_validation_error(exc: ValidationError) -> str:

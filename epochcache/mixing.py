@@ -6,7 +6,8 @@ unit, counts that unit's rows for it, and carries a :class:`MixCursor` (every st
 with a shard thus holds every stream's position: a restart neither repeats nor skips a unit of any
 source, and each source keeps its own pass.
 
-The pick is deterministic: the stream whose rows lag its share of all rows counted the most
+Only rows to be written count (a unit already cached adds none). The pick is deterministic given
+the units' rows: the stream whose rows lag its share of all rows counted the most
 (``share * total - rows``, ties to the first configured), so after every unit each stream's rows
 are within about one unit's rows of its share. Over any window of samples the mix is therefore off
 the weights by at most about two units' rows per stream: with 32-row units, 0.64% of 10,000 samples.

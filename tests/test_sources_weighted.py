@@ -205,6 +205,8 @@ def test_source_is_shorthand_for_one_unnamed_source_of_weight_one(tmp_path: Path
     assert [(s.url, s.name, s.weight) for s in config.sources] == [("s3://b/a", "", 1.0)]
     with pytest.raises(ConfigError, match="source.weight applies only to entries of a sources: list"):
         load_config(None, {"source.url": "s3://b/a", "source.weight": 2, "cache.dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match=r"^defaults: source\.format = 'zip': "):
+        load_config(None, {"source.url": "s3://b/a", "source.format": "zip", "cache.dir": str(tmp_path)})
     with pytest.raises(ConfigError, match="either source: .* or sources: .*not both"):
         load_config(None, {"source.url": "s3://b/a", "sources": [{"url": "s3://b/c", "weight": 1}],
                            "cache.dir": str(tmp_path)})
