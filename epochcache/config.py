@@ -14,10 +14,11 @@ message names the dotted key path and the bad value.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -65,6 +66,11 @@ class SourceConfig(_Section):
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments for the fsspec filesystem (s3fs, ...)"
     )
+    name: str = Field(
+        default="", pattern=r"^([A-Za-z0-9_-]+)?$",
+        description="names this source's cursor, listing and progress keys; '' for the single `source:`",
+    )
+    weight: float = Field(default=1.0, description="share of the rows written, relative to the other sources")
 
     @field_validator("url")
     @classmethod
@@ -72,6 +78,13 @@ class SourceConfig(_Section):
         if not value.strip():
             raise ValueError("must not be empty: give an fsspec URL such as s3://bucket/prefix/")
         return _resolve_local(value, info)
+
+    @field_validator("weight")
+    @classmethod
+    def _weight(cls, value: float) -> float:
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError("must be a finite number > 0 (weights are relative: 1 and 3 give 25% and 75%)")
+        return value
 
     @field_validator("labels")
     @classmethod
@@ -192,12 +205,61 @@ class LoaderConfig(_Section):
 
 
 class Config(_Section):
-    """The whole of config.yaml."""
+    """The whole of config.yaml.
 
-    source: SourceConfig
+    ``source:`` (one source) is shorthand for a one-element ``sources:`` list whose entry is named
+    ``''`` with weight 1, so a cache made with it keeps its ledger keys. In a ``sources:`` list every
+    entry needs a ``weight`` > 0; names default to ``source<i>`` and must be unique, and no two
+    sources may share a URL (every unit key names its object, so keys stay unique across sources).
+    """
+
+    sources: tuple[SourceConfig, ...]
     cache: CacheConfig
     sampler: SamplerConfig = SamplerConfig()
     loader: LoaderConfig = LoaderConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_source_or_a_list(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "source" in data and "sources" in data:
+            raise ValueError("give either source: (one source) or sources: (a list with weights), not both")
+        if "source" in data:
+            single = data["source"]
+            if isinstance(single, dict) and "weight" in single:
+                raise ValueError("source.weight applies only to entries of a sources: list; remove it")
+            return {**{k: v for k, v in data.items() if k != "source"}, "sources": [single]}
+        if "sources" not in data:
+            raise ValueError("required key is missing: give source: (one source) or sources: (a list)")
+        entries = data["sources"]
+        if not isinstance(entries, list) or not entries:
+            raise ValueError(f"sources = {entries!r}: give a non-empty list of sources, each with url and weight")
+        return {**data, "sources": [_named(entry, index) for index, entry in enumerate(entries)]}
+
+    @model_validator(mode="after")
+    def _distinct_sources(self) -> Config:
+        for key in ("name", "url"):
+            values = [getattr(s, key) for s in self.sources]
+            twice = sorted({v for v in values if values.count(v) > 1})
+            if twice:
+                raise ValueError(f"sources share {key} {twice}: give every source its own {key}")
+        return self
+
+    @property
+    def source(self) -> SourceConfig:
+        """The first source (the only one under the ``source:`` shorthand)."""
+        return self.sources[0]
+
+
+def _named(entry: Any, index: int) -> Any:
+    """A ``sources:`` entry with its default name, refused if it gives no weight."""
+    if not isinstance(entry, dict):
+        return entry  # pydantic names the type error
+    if "weight" not in entry:
+        raise ValueError(f"sources.{index}.weight is missing (url {entry.get('url')!r}): give every source "
+                         "in a sources: list a weight > 0, e.g. weight: 1")
+    return {"name": f"source{index}", **entry}
 
 
 def load_config(
@@ -231,7 +293,10 @@ def load_config(
     try:
         return Config.model_validate(data, context={"base_dir": base_dir})
     except ValidationError as exc:
-        raise ConfigError(f"{origin}: {format_validation_error(exc)}") from None
+        message = format_validation_error(exc)
+        if "source" in data:  # the shorthand's entry: name its keys as the user wrote them
+            message = message.replace("sources.0.", "source.")
+        raise ConfigError(f"{origin}: {message}") from None
 
 
 def format_validation_error(exc: ValidationError) -> str:
@@ -254,7 +319,11 @@ def format_validation_error(exc: ValidationError) -> str:
 def _valid_keys_hint(loc: tuple[int | str, ...]) -> str:
     model: type[BaseModel] = Config
     for part in loc[:-1]:
+        if isinstance(part, int):  # an entry of a list section (sources): its fields are the item's
+            continue
         annotation = model.model_fields[str(part)].annotation
+        # A tuple[Model, ...] section (sources) lists the keys of its item model.
+        annotation = next(iter(get_args(annotation)), annotation) if get_origin(annotation) is tuple else annotation
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return "check the spelling"
         model = annotation

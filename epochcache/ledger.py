@@ -328,6 +328,16 @@ class Ledger:
     def set_listing(self, listing: dict[str, Any]) -> None:
         self._cache.set(_LISTING, listing, retry=True)
 
+    # Each source (a stream, by its name) has its own listing header: ``listing`` for the unnamed
+    # single source (what ``listing()`` returns, so caches made before ``sources:`` resume), else
+    # ``"listing:<name>"``.
+
+    def stream_listing(self, stream: str) -> dict[str, Any] | None:
+        return self._cache.get(f"{_LISTING}:{stream}" if stream else _LISTING, retry=True)
+
+    def set_stream_listing(self, stream: str, listing: dict[str, Any]) -> None:
+        self._cache.set(f"{_LISTING}:{stream}" if stream else _LISTING, listing, retry=True)
+
     # -- daemon state ---------------------------------------------------------------------------
 
     def daemon_state(self) -> dict[str, Any] | None:
@@ -354,19 +364,26 @@ class Ledger:
     def drop_skipped(self, unit_key: str) -> None:
         self._cache.delete("skipped:" + unit_key, retry=True)
 
-    # The remote listing in pages, written as the listing streams in: ``"listing_page:<n>"`` -> a list
-    # of ``(path, size)``; ``set_listing`` holds its header (which pass, how many objects, page starts).
+    # The remote listing in pages, written as the listing streams in: ``"listing_page:<n>"`` (the
+    # unnamed single source) or ``"listing_page:<stream>:<n>"`` -> a list of ``(path, size)``; the
+    # stream's listing header holds which pass, how many objects and the page starts.
 
-    def listing_page(self, number: int) -> list[tuple[str, int]] | None:
-        return self._cache.get(f"listing_page:{number}", retry=True)
+    def listing_page(self, number: int, stream: str = "") -> list[tuple[str, int]] | None:
+        return self._cache.get(self._page_key(stream, number), retry=True)
 
-    def set_listing_page(self, number: int, objects: list[tuple[str, int]]) -> None:
-        self._cache.set(f"listing_page:{number}", objects, retry=True)
+    def set_listing_page(self, number: int, objects: list[tuple[str, int]], stream: str = "") -> None:
+        self._cache.set(self._page_key(stream, number), objects, retry=True)
 
-    def drop_listing_pages(self) -> None:
+    def drop_listing_pages(self, stream: str = "") -> None:
+        prefix = self._page_key(stream, "")
         for key in list(self._cache.iterkeys()):
-            if isinstance(key, str) and key.startswith("listing_page:"):
+            # An unnamed stream's prefix also matches named streams' keys: those end in ":<n>".
+            if isinstance(key, str) and key.startswith(prefix) and key[len(prefix) :].isdigit():
                 self._cache.delete(key, retry=True)
+
+    @staticmethod
+    def _page_key(stream: str, number: int | str) -> str:
+        return f"listing_page:{stream}:{number}" if stream else f"listing_page:{number}"
 
     # -- counters -------------------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
-"""The remote listing of one pass, kept in the ledger in pages and read back page by page.
+"""The remote listing of one pass of one source, kept in the ledger in pages and read back page by page.
 
 Flow: :func:`store_listing` streams a source's pages of objects into the ledger as they arrive and
 returns a :class:`PagedListing`, a read-only sequence over them that holds only a few pages in
 memory. A daemon restarted mid-pass reopens the same listing with :meth:`PagedListing.open`, so the
-sampler's order (a permutation of listing positions) is the same across restarts.
+sampler's order (a permutation of listing positions) is the same across restarts. Each source (a
+*stream*, by its configured name; ``""`` for the single ``source:``) has its own listing in the ledger.
 
 Invariant: a listing header with a ``count`` is written only after its last page, so a listing
 interrupted part-way is never used; the next start lists again.
@@ -25,16 +26,16 @@ _PAGES_HELD = 8
 class PagedListing(Sequence[RemoteObject]):
     """Objects ``0..count-1`` of a stored listing; an index is looked up in its page."""
 
-    def __init__(self, ledger: Ledger, starts: list[int], count: int) -> None:
-        self._ledger, self._starts, self._count = ledger, starts, count
+    def __init__(self, ledger: Ledger, starts: list[int], count: int, stream: str = "") -> None:
+        self._ledger, self._starts, self._count, self._stream = ledger, starts, count, stream
         self._page = functools.lru_cache(maxsize=_PAGES_HELD)(self._load)
 
     @classmethod
-    def open(cls, ledger: Ledger, header: dict[str, Any]) -> PagedListing | None:
-        """The listing ``header`` (from ``ledger.listing()``) describes; None if it is incomplete."""
+    def open(cls, ledger: Ledger, header: dict[str, Any], stream: str = "") -> PagedListing | None:
+        """The listing ``header`` (from ``ledger.stream_listing(stream)``) describes; None if it is incomplete."""
         if header.get("count") is None:
             return None
-        return cls(ledger, list(header["starts"]), int(header["count"]))
+        return cls(ledger, list(header["starts"]), int(header["count"]), stream)
 
     def __len__(self) -> int:
         return self._count
@@ -55,22 +56,24 @@ class PagedListing(Sequence[RemoteObject]):
         return RemoteObject(path, size)
 
     def _load(self, number: int) -> list[tuple[str, int]]:
-        page = self._ledger.listing_page(number)
+        page = self._ledger.listing_page(number, self._stream)
         if page is None:
             raise LookupError(f"listing page {number} is missing from the ledger: delete the cache dir's "
                               "ledger/ folder to start a fresh listing")
         return page
 
 
-def store_listing(ledger: Ledger, pages: Iterator[list[RemoteObject]], header: dict[str, Any]) -> PagedListing:
-    """Write ``pages`` into the ledger as they arrive, then the header (``header`` plus ``count`` and
-    the page ``starts``); return the listing over them."""
-    ledger.set_listing({**header, "count": None})
-    ledger.drop_listing_pages()
+def store_listing(
+    ledger: Ledger, pages: Iterator[list[RemoteObject]], header: dict[str, Any], stream: str = ""
+) -> PagedListing:
+    """Write ``pages`` into the ledger as ``stream``'s listing as they arrive, then its header
+    (``header`` plus ``count`` and the page ``starts``); return the listing over them."""
+    ledger.set_stream_listing(stream, {**header, "count": None})
+    ledger.drop_listing_pages(stream)
     starts, count = [], 0
     for number, page in enumerate(pages):
-        ledger.set_listing_page(number, [(obj.path, obj.size) for obj in page])
+        ledger.set_listing_page(number, [(obj.path, obj.size) for obj in page], stream)
         starts.append(count)
         count += len(page)
-    ledger.set_listing({**header, "count": count, "starts": starts})
-    return PagedListing(ledger, starts, count)
+    ledger.set_stream_listing(stream, {**header, "count": count, "starts": starts})
+    return PagedListing(ledger, starts, count, stream)
