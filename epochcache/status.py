@@ -32,7 +32,7 @@ def cache_status(config: Config) -> dict[str, Any]:
         cursor = ledger.cursor()
         return {
             "cache_dir": str(layout.root),
-            "source": config.source.url,
+            "source": ", ".join(source.url for source in config.sources),
             "daemon": _daemon(layout, ledger.daemon_state(), now),
             "shards": usage.shards,
             "samples": usage.rows,
