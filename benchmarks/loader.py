@@ -6,7 +6,7 @@ Parquet "remote", synced into a cache by the real daemon. Rates are medians over
 first epoch of each mode warms the page cache and is left out).
 
     python benchmarks/loader.py [--size 250MB] [--epochs 5] [--pss-epochs 20] [--shard-bytes 64MB]
-                                [--cold-shard-bytes 4MB] [--dir DIR]
+                                [--cold-shard-bytes 64MB] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -156,8 +156,8 @@ def main() -> None:
     parser.add_argument("--pss-epochs", type=int, default=20)
     parser.add_argument("--shard-bytes", default="64MB",
                         help="cache.shard_bytes of the warm cache (default 64MB, the config default)")
-    parser.add_argument("--cold-shard-bytes", default="4MB",
-                        help="cache.shard_bytes for the time to first batch on an empty cache (default 4MB)")
+    parser.add_argument("--cold-shard-bytes", default="64MB",
+                        help="cache.shard_bytes for the time to first batch on an empty cache (default 64MB, the config default)")
     parser.add_argument("--dir", help="work dir (default: a temporary one)")
     args = parser.parse_args()
     size = int(TypeAdapter(ByteSize).validate_python(args.size))

@@ -267,7 +267,7 @@ class _Run:
             elif table is not None and not self._add(building, stream, unit, table):
                 return self._stop_reason()
             building.cursor = after
-            if building.nbytes >= self.cfg.cache.shard_bytes:
+            if building.nbytes >= self._shard_target():
                 if not self._publish(building):
                     return self._stop_reason()
                 building.reset(after)
@@ -340,6 +340,12 @@ class _Run:
                 return
             if not fetching:
                 stream.idle_until = time.monotonic() + _IDLE_POLL_S
+
+    def _shard_target(self) -> int:
+        """Bytes at which the shard being built is published: ``cache.shard_bytes``, except that an
+        empty cache gets its first shard after one unit, so a trainer started with the daemon waits
+        for one remote read, not for a whole shard's worth of them."""
+        return self.cfg.cache.shard_bytes if self.cached or self.pending or self.report.shards_published else 1
 
     def _add(self, building: _Building, stream: _Stream, unit: Unit, table: pa.Table) -> bool:
         """Add a unit's rows, first publishing what is built if they would overflow the shard.

@@ -229,3 +229,13 @@ def test_two_nodes_cache_disjoint_halves_of_a_pass(remote: str, tmp_path: Path) 
         logs.append(log.published)
     assert logs[0] and logs[1] and set(logs[0]).isdisjoint(logs[1]), "no unit fetched by both nodes"
     assert len(logs[0]) + len(logs[1]) == UNITS
+
+
+def test_an_empty_cache_gets_a_one_unit_first_shard(remote: str, make_config: Callable[..., Config]) -> None:
+    config = make_config(remote, **ROOMY)
+    SyncDaemon(config, progress=False).run(once=True)
+    ledger = _ledger(config)
+    first, *rest = ledger.shards()
+    ledger.close()
+    assert len(first.units) == 1, "a trainer started with the daemon waits for one unit, not a shard"
+    assert rest and all(len(record.units) > 1 for record in rest[:-1]), "then shards fill to cache.shard_bytes"
