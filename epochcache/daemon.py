@@ -490,9 +490,10 @@ class _Run:
         self, pool: ThreadPoolExecutor, walk: Iterator[_Item]
     ) -> Iterator[tuple[_Stream | None, Unit | None, MixCursor, pa.Table | None]]:
         """Yield walk items in order with their table (None for units already cached and pass ends),
-        keeping up to ``2 * concurrency`` reads in flight; a pause of the walk drains the window."""
+        keeping up to ``2 * concurrency`` reads in flight (one, until an empty cache's first shard is
+        handed over: its unit then has the machine to itself); a pause of the walk drains the window."""
         window: deque[tuple[_Stream | None, Unit | None, MixCursor, Future[pa.Table] | None]] = deque()
-        limit = 2 * self.cfg.sampler.concurrency
+        full = 2 * self.cfg.sampler.concurrency
         try:
             for stream, unit, after in walk:
                 future = None
@@ -500,6 +501,7 @@ class _Run:
                     self.claimed.add(unit.key)
                     future = pool.submit(self.retrier.call, stream.source.read, unit, what=unit.key)
                 window.append((stream, unit, after, future))
+                limit = 1 if self._shard_target() == 1 else full
                 while len(window) >= limit or (window and (window[0][3] is None or stream is None)):
                     yield self._complete(*window.popleft())
                 if self.stop.is_set():
