@@ -1,15 +1,12 @@
 """Before the first epoch: wait until the cache holds ``loader.min_samples`` samples.
 
 In: the cache layout and ledger; out: nothing, or a :class:`CacheEmptyError` after the timeout whose
-message says whether a sync daemon runs on the cache dir. The daemon holds an exclusive flock on
-``daemon.lock`` while it runs (the kernel drops it when the process dies), so a non-blocking shared
-flock that succeeds means no daemon runs; the probe never blocks the daemon for longer than the call.
+message says whether a sync daemon runs on the cache dir (:func:`epochcache.lockfile.holder`: a
+non-blocking probe of the daemon's flock, which the kernel drops when the daemon dies).
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
 import threading
 import time
 
@@ -18,23 +15,14 @@ from tqdm import tqdm
 from epochcache.errors import CacheEmptyError
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Ledger
+from epochcache.lockfile import holder
 
 _POLL_S = 0.2
 
 
 def daemon_running(layout: CacheLayout) -> bool:
     """Whether a sync daemon holds ``layout.lock`` now."""
-    try:
-        fd = os.open(layout.lock, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing drops our shared lock, if we got it
-    return False
+    return holder(layout.lock) is not None
 
 
 def wait_for_samples(
