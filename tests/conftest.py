@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,6 +19,7 @@ import pytest
 import s3fs
 
 from epochcache.config import Config, load_config
+from epochcache.daemon import SyncDaemon
 
 ITEM_SHAPE = (3, 16, 16)
 
@@ -120,8 +122,6 @@ class UnitLog:
         self.published: list[str] = []
 
     def daemon(self, config: Config) -> Any:
-        from epochcache import SyncDaemon
-
         return SyncDaemon(
             config, progress=False,
             on_fetch=lambda unit: self.fetched.append(unit.key),
@@ -153,3 +153,18 @@ class DaemonThread:
         if self.error is not None:
             raise self.error
         return self.report
+
+
+@pytest.fixture
+def synced_cache(tmp_path: Path, make_config: Callable[..., Config]) -> Callable[..., Config]:
+    """Build a cache holding a whole local Parquet remote (one ``sync --once`` pass, roomy budget):
+    ``(files, rows_per_file, rows_per_group, shard_bytes) -> Config``."""
+
+    def build(files: int, rows_per_file: int, rows_per_group: int, shard_bytes: str) -> Config:
+        remote = str(tmp_path / "remote")
+        write_parquet_dataset(fsspec.filesystem("file"), remote, files, rows_per_file, rows_per_group)
+        config = make_config(remote, **{"cache.max_bytes": "20MB", "cache.shard_bytes": shard_bytes})
+        SyncDaemon(config, progress=False).run(once=True)
+        return config
+
+    return build

@@ -28,11 +28,9 @@ def remote(tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def synced(remote: str, make_config: Callable[..., Config]) -> Config:
-    """A cache holding the whole remote (one --once pass with a roomy budget)."""
-    config = make_config(remote, **{"cache.max_bytes": "20MB", "cache.shard_bytes": "64KiB"})
-    SyncDaemon(config, progress=False).run(once=True)
-    return config
+def synced(synced_cache: Callable[..., Config]) -> Config:
+    """A cache holding a whole remote shaped like ``remote`` (written afresh at the same path)."""
+    return synced_cache(files=6, rows_per_file=128, rows_per_group=32, shard_bytes="64KiB")
 
 
 def _epoch_ids(loader: EpochCachedLoader) -> list[int]:

@@ -6,22 +6,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import write_parquet_dataset
 
-from epochcache import EpochCachedLoader, Ledger, LoaderError, SyncDaemon
+from epochcache import EpochCachedLoader, Ledger, LoaderError
 from epochcache.config import Config
 from epochcache.layout import CacheLayout
 
 
 @pytest.fixture
-def synced(tmp_path: Path, make_config: Callable[..., Config]) -> Config:
-    import fsspec
-
-    remote = str(tmp_path / "remote")
-    write_parquet_dataset(fsspec.filesystem("file"), remote, files=4, rows_per_file=100, rows_per_group=25)
-    config = make_config(remote, **{"cache.max_bytes": "20MB", "cache.shard_bytes": "64KiB"})
-    SyncDaemon(config, progress=False).run(once=True)
-    return config
+def synced(synced_cache: Callable[..., Config]) -> Config:
+    return synced_cache(files=4, rows_per_file=100, rows_per_group=25, shard_bytes="64KiB")
 
 
 def _batches(loader: EpochCachedLoader, stop_after: int | None = None) -> list[list[int]]:

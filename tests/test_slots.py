@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
-import fsspec
 import numpy as np
 import pytest
 import torch
-from conftest import ITEM_SHAPE, write_parquet_dataset
+from conftest import ITEM_SHAPE
 
-from epochcache import EpochCachedLoader, SyncDaemon
+from epochcache import EpochCachedLoader
 from epochcache.config import Config
 from epochcache.slots import SlotBatch, SlotRing
 
@@ -59,12 +57,8 @@ def test_batches_that_do_not_fit_are_refused() -> None:
 
 
 @pytest.fixture
-def synced(tmp_path: Path, make_config: Callable[..., Config]) -> Config:
-    remote = str(tmp_path / "remote")
-    write_parquet_dataset(fsspec.filesystem("file"), remote, files=3, rows_per_file=200, rows_per_group=50)
-    config = make_config(remote, **{"cache.max_bytes": "20MB", "cache.shard_bytes": "128KiB"})
-    SyncDaemon(config, progress=False).run(once=True)
-    return config
+def synced(synced_cache: Callable[..., Config]) -> Config:
+    return synced_cache(files=3, rows_per_file=200, rows_per_group=50, shard_bytes="128KiB")
 
 
 def _epochs(config: Config, epochs: int, **kwargs: object) -> list[list[dict[str, torch.Tensor]]]:
