@@ -21,6 +21,7 @@ Invariants it keeps:
 from __future__ import annotations
 
 import os
+import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import diskcache
+import tenacity
 
 _SHARD = "shard:"
 _LEASE = "lease:"
@@ -117,18 +119,44 @@ class Usage:
         return self.shard_bytes + self.reserved_bytes + self.ledger_bytes + self.quarantined_bytes
 
 
+# How long opening the ledger keeps retrying while other processes hold its database locked.
+OPEN_PATIENCE_S = 60.0
+
+
+def _open_cache(directory: Path) -> diskcache.Cache:
+    """Open the ledger's diskcache, retrying while the database is locked.
+
+    diskcache runs schema statements on open. Under a rollback journal SQLite answers "database is
+    locked" at once, without waiting, when another process is mid-write (its busy handler would risk a
+    deadlock), so ranks and a daemon opening one cache together must retry rather than fail.
+    """
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(_is_locked),
+        wait=tenacity.wait_random_exponential(multiplier=0.01, max=0.5),
+        stop=tenacity.stop_after_delay(OPEN_PATIENCE_S),
+        reraise=True,
+    )
+    cache: diskcache.Cache = retrying(
+        diskcache.Cache,
+        str(directory),
+        eviction_policy="none",  # diskcache must never cull our records on its own
+        size_limit=2**62,
+        disk_min_file_size=2**30,  # keep every value inside SQLite: no side files to account
+        sqlite_journal_mode="delete",  # a bounded journal; see LEDGER_RESERVE
+    )
+    return cache
+
+
+def _is_locked(exc: BaseException) -> bool:
+    return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
+
+
 class Ledger:
     """Process-safe record of a cache directory's contents (see module docstring)."""
 
     def __init__(self, directory: str | Path) -> None:
         self._dir = Path(directory)
-        self._cache = diskcache.Cache(
-            str(self._dir),
-            eviction_policy="none",  # diskcache must never cull our records on its own
-            size_limit=2**62,
-            disk_min_file_size=2**30,  # keep every value inside SQLite: no side files to account
-            sqlite_journal_mode="delete",  # a bounded journal; see LEDGER_RESERVE
-        )
+        self._cache = _open_cache(self._dir)
 
     def close(self) -> None:
         self._cache.close()

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
+import diskcache
 import pytest
 from conftest import wait_for
+
+import epochcache.ledger as ledger_module
 
 from epochcache.evict import Fifo
 from epochcache.ledger import LEDGER_RESERVE, Ledger, ShardRecord, Usage, take_until
@@ -509,3 +514,28 @@ def test_purge_expired_removes_dead_leases(ledger: Ledger) -> None:
     wait_for(lambda: len(ledger.leases()) == 1, timeout=10)
     assert ledger.purge_expired() == 1
     assert [lease["id"] for lease in ledger.leases()] == [keep.id]
+
+
+def test_opening_retries_while_the_database_is_locked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_cache = diskcache.Cache
+    refusals = []
+
+    def locked_twice(*args: Any, **kwargs: Any) -> diskcache.Cache:
+        if len(refusals) < 2:  # as SQLite answers when another process is mid-write
+            refusals.append(1)
+            raise sqlite3.OperationalError("database is locked")
+        return real_cache(*args, **kwargs)
+
+    monkeypatch.setattr(ledger_module.diskcache, "Cache", locked_twice)
+    ledger = Ledger(tmp_path / "ledger")
+    assert len(refusals) == 2
+    assert ledger.shards() == []
+    ledger.close()
+
+    def always_locked(*args: Any, **kwargs: Any) -> diskcache.Cache:
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(ledger_module.diskcache, "Cache", always_locked)
+    monkeypatch.setattr(ledger_module, "OPEN_PATIENCE_S", 0.2)
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        Ledger(tmp_path / "ledger")
