@@ -158,6 +158,10 @@ class SamplerConfig(_Section):
     backoff_s: float = Field(default=0.2, gt=0.0, description="first backoff ceiling; doubles per retry")
     backoff_max_s: float = Field(default=20.0, gt=0.0, description="largest backoff ceiling")
     request_timeout_s: float = Field(default=60.0, gt=0.0, description="connect/read timeout of one request")
+    max_sample_bytes: ByteSize = Field(
+        default=ByteSize(256 * 2**20), gt=0,
+        description="largest sample (a tar member, an object) read; a larger one is skipped with its reason",
+    )
 
     @model_validator(mode="after")
     def _rank_below_nodes(self) -> SamplerConfig:

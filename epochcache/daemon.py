@@ -81,7 +81,8 @@ class SyncReport:
     evicted: int = 0
     units_fetched: int = 0
     units_published: int = 0
-    units_skipped: int = 0
+    units_skipped: int = 0  # skip events (a unit read later at the pass end counts here too)
+    units_unread: int = 0  # units still skipped when the run ended: ``sync --once`` exits 3 if any
 
 
 @dataclass
@@ -202,7 +203,8 @@ class SyncDaemon:
             try:
                 reconcile(self.layout, ledger)
                 timeout = self.config.sampler.request_timeout_s
-                streams = [_Stream(cfg, open_source(cfg, timeout)) for cfg in self.config.sources]
+                largest = int(self.config.sampler.max_sample_bytes)
+                streams = [_Stream(cfg, open_source(cfg, timeout, largest)) for cfg in self.config.sources]
                 return _Run(self, ledger, streams, stop, once).execute()
             finally:
                 ledger.close()

@@ -30,6 +30,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import Dataset
 
+from epochcache.columns import is_binary, is_fixed_width
 from epochcache.errors import LoaderError
 from epochcache.shards import open_shard
 from epochcache.sources.base import KEY_COLUMN
@@ -131,9 +132,9 @@ class ShardSetDataset(Dataset[Batch]):
             column = table.column(name)
             # Shards hold one record batch, so this is the one chunk itself, not a copy.
             array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-            if _is_binary(array.type):
+            if is_binary(array.type):
                 views[name] = BufferColumn(array)
-            elif not _is_fixed_width(array.type):
+            elif not is_fixed_width(array.type):
                 views[name] = array
             elif array.null_count:
                 raise LoaderError(
@@ -169,15 +170,6 @@ class OpenShards:
         return list(fresh.values())
 
 
-def _is_fixed_width(arrow_type: pa.DataType) -> bool:
-    """Numbers, fixed-size lists of them, or the fixed-shape tensor type: the columns that become tensors."""
-    if isinstance(arrow_type, pa.FixedShapeTensorType):
-        return True
-    while pa.types.is_fixed_size_list(arrow_type):
-        arrow_type = arrow_type.value_type
-    return pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type)
-
-
 def _numpy_view(array: pa.Array) -> np.ndarray:
     """A zero-copy ``(rows, *item_shape)`` numpy view of a fixed-width column without nulls."""
     if isinstance(array.type, pa.FixedShapeTensorType):
@@ -187,14 +179,6 @@ def _numpy_view(array: pa.Array) -> np.ndarray:
         shape.append(array.type.list_size)
         array = array.flatten()
     return array.to_numpy(zero_copy_only=True).reshape(shape)
-
-
-def _is_binary(arrow_type: pa.DataType) -> bool:
-    """Variable-size binary or string: the columns that become lists of buffers."""
-    return any(
-        check(arrow_type)
-        for check in (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_string, pa.types.is_large_string)
-    )
 
 
 class BufferColumn:

@@ -7,9 +7,13 @@
     ├── SourceError                 the remote cannot be listed or read (permanent: no retry helps)
     │   └── ObjectMissingError      a listed object is gone (deleted mid-pass): skipped, not fatal
     ├── FetchFailedError            a remote read kept failing with transient errors (retried later)
+    ├── CorruptObjectError          a remote object's bytes are bad (damaged metadata or payload, a
+    │                               checksum mismatch, a member too large): the unit is skipped, reported
     ├── CacheError                  the local cache cannot do what was asked
     │   ├── BudgetError             cache.max_bytes cannot hold what it must
     │   ├── DaemonRunningError      another sync daemon already owns the cache dir
+    │   ├── DatasetMismatchError    the config would write rows of another dataset into this cache
+    │   ├── LedgerError             the ledger database is unreadable: ``epochcache verify --fix`` rebuilds it
     │   └── ShardCorruptError       a shard file fails its checksum or Arrow structure
     └── LoaderError                 the training side cannot build an epoch
         └── CacheEmptyError         no shard appeared before the wait timed out
@@ -42,6 +46,12 @@ class FetchFailedError(EpochcacheError):
     skipped and retries it at the end of the pass."""
 
 
+class CorruptObjectError(EpochcacheError):
+    """A remote object (or one unit of it) is unreadable or fails a checksum the format or the store
+    offers. Retried like a transient error (bytes flip in transit); when every attempt fails the unit
+    is skipped with this reason and the pass goes on. Never fatal to the daemon."""
+
+
 class CacheError(EpochcacheError):
     """The local shard cache cannot do what was asked."""
 
@@ -52,6 +62,15 @@ class BudgetError(CacheError):
 
 class DaemonRunningError(CacheError):
     """Another sync daemon holds the cache directory's lock."""
+
+
+class DatasetMismatchError(CacheError):
+    """The cache dir holds another dataset (sources, columns or schema) than the config describes."""
+
+
+class LedgerError(CacheError):
+    """The ledger cannot be read or written (damaged database); ``epochcache verify --fix`` rebuilds it
+    from the shard files, each of which carries its own record."""
 
 
 class ShardCorruptError(CacheError):

@@ -77,6 +77,8 @@ class ShardRecord:
     units: tuple[str, ...]
     uses: int = 0
     last_used: float | None = None
+    schema: str = ""  # fingerprint of the rows' Arrow schema (shards.schema_fingerprint); "" if unknown
+    verified: bool = False  # its checksum was checked once on this host (at write, or lazily by a reader)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShardRecord:
@@ -375,6 +377,33 @@ class Ledger:
     def set_daemon_state(self, state: dict[str, Any]) -> None:
         self._cache.set(_DAEMON, dict(state), retry=True)
 
+    def update_daemon_state(self, fields: dict[str, Any]) -> None:
+        """Merge ``fields`` into the daemon's state (keys not named keep their values)."""
+        with self._cache.transact(retry=True):
+            self._cache.set(_DAEMON, {**(self._cache.get(_DAEMON) or {}), **fields})
+
+    # -- dataset identity -----------------------------------------------------------------------
+
+    def identity(self) -> dict[str, Any] | None:
+        """The dataset this cache holds (each source's url, format, columns, and the schema its rows
+        produced), as recorded by the first daemon that wrote it; None for a new cache."""
+        return self._cache.get("identity", retry=True)
+
+    def set_identity(self, identity: dict[str, Any] | None) -> None:
+        """Bind the cache to ``identity`` (None: unbind, when the cache is emptied on purpose)."""
+        if identity is None:
+            self._cache.delete("identity", retry=True)
+        else:
+            self._cache.set("identity", dict(identity), retry=True)
+
+    def mark_verified(self, shard_ids: Sequence[str]) -> None:
+        """Record that these shards' checksums were checked on this host (readers skip them after)."""
+        with self._cache.transact(retry=True):
+            for shard_id in shard_ids:
+                data = self._cache.get(_SHARD + shard_id)
+                if data is not None:
+                    self._cache.set(_SHARD + shard_id, {**data, "verified": True})
+
     # Units the daemon skipped after their reads kept failing: ``"skipped:<unit key>"`` -> a dict
     # ``{"path", "size", "index", "pass", "error"}`` (``index`` None: the object's metadata failed).
 
@@ -396,10 +425,12 @@ class Ledger:
     # unnamed single source) or ``"listing_page:<stream>:<n>"`` -> a list of ``(path, size)``; the
     # stream's listing header holds which pass, how many objects and the page starts.
 
-    def listing_page(self, number: int, stream: str = "") -> list[tuple[str, int]] | None:
-        return self._cache.get(self._page_key(stream, number), retry=True)
+    def listing_page(self, number: int, stream: str = "") -> list[tuple[str, int, str | None]] | None:
+        """Page ``number`` of ``stream``'s listing as ``(path, size, etag)`` rows; None if absent."""
+        page = self._cache.get(self._page_key(stream, number), retry=True)
+        return None if page is None else [(row[0], row[1], row[2] if len(row) > 2 else None) for row in page]
 
-    def set_listing_page(self, number: int, objects: list[tuple[str, int]], stream: str = "") -> None:
+    def set_listing_page(self, number: int, objects: list[tuple[str, int, str | None]], stream: str = "") -> None:
         self._cache.set(self._page_key(stream, number), objects, retry=True)
 
     def drop_listing_pages(self, stream: str = "") -> None:

@@ -52,10 +52,10 @@ class PagedListing(Sequence[RemoteObject]):
         if not 0 <= index < self._count:
             raise IndexError(f"listing index {index} out of range 0..{self._count - 1}")
         number = bisect.bisect_right(self._starts, index) - 1
-        path, size = self._page(number)[index - self._starts[number]]
-        return RemoteObject(path, size)
+        path, size, etag = self._page(number)[index - self._starts[number]]
+        return RemoteObject(path, size, etag)
 
-    def _load(self, number: int) -> list[tuple[str, int]]:
+    def _load(self, number: int) -> list[tuple[str, int, str | None]]:
         page = self._ledger.listing_page(number, self._stream)
         if page is None:
             raise LookupError(f"listing page {number} is missing from the ledger: delete the cache dir's "
@@ -72,7 +72,7 @@ def store_listing(
     ledger.drop_listing_pages(stream)
     starts, count = [], 0
     for number, page in enumerate(pages):
-        ledger.set_listing_page(number, [(obj.path, obj.size) for obj in page], stream)
+        ledger.set_listing_page(number, [(obj.path, obj.size, obj.etag) for obj in page], stream)
         starts.append(count)
         count += len(page)
     ledger.set_stream_listing(stream, {**header, "count": count, "starts": starts})

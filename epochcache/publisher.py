@@ -35,7 +35,7 @@ from epochcache.evict import policy_named
 from epochcache.layout import CacheLayout
 from epochcache.ledger import PUBLISH_GROWTH, Chooser, Ledger, ShardRecord
 from epochcache.quarantine import purge_quarantine
-from epochcache.shards import ShardMeta, encoded_size, with_record_meta, write_shard
+from epochcache.shards import ShardMeta, encoded_size, schema_fingerprint, with_record_meta, write_shard
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class Publisher:
         record = ShardRecord(
             id=meta.id, filename=path.name, nbytes=nbytes, rows=table.num_rows,
             created=meta.created, checksum=checksum, units=meta.units,
+            schema=schema_fingerprint(table.schema), verified=True,  # write_shard checksummed the bytes written
         )
         self.ledger.publish(record, cursor)
         self._say("running")

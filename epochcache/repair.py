@@ -22,7 +22,7 @@ from epochcache.errors import ShardCorruptError
 from epochcache.layout import SHARD_SUFFIX, TMP_SUFFIX, CacheLayout, parse_shard_name
 from epochcache.ledger import Ledger, ShardRecord
 from epochcache.quarantine import quarantine_shard
-from epochcache.shards import file_checksum, read_record_meta, verify_shard
+from epochcache.shards import file_checksum, open_shard, read_record_meta, schema_fingerprint, verify_shard
 
 log = logging.getLogger(__name__)
 
@@ -140,13 +140,14 @@ def _whole_shard(path: Path) -> ShardRecord | None:
         if file_checksum(path) != checksum:
             return None
         meta, rows = read_record_meta(path)
+        schema = schema_fingerprint(open_shard(path).schema)
         nbytes = path.stat().st_size
     except (ShardCorruptError, FileNotFoundError):
         return None
     if meta.id != shard_id:
         return None
     return ShardRecord(id=shard_id, filename=path.name, nbytes=nbytes, rows=rows, created=meta.created,
-                       checksum=checksum, units=meta.units)
+                       checksum=checksum, units=meta.units, schema=schema, verified=True)
 
 
 def _corrupt(layout: CacheLayout, ledger: Ledger) -> list[tuple[ShardRecord, str]]:

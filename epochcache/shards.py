@@ -62,6 +62,13 @@ def read_record_meta(path: Path) -> tuple[ShardMeta, int]:
     return meta, table.num_rows
 
 
+def schema_fingerprint(schema: pa.Schema) -> str:
+    """A short stable hash of a schema's fields (names, types, nullability; metadata ignored): shards
+    with equal fingerprints can be gathered into one batch."""
+    fields = schema.remove_metadata()
+    return xxhash.xxh3_64(fields.serialize().to_pybytes()).hexdigest()
+
+
 def encoded_size(table: pa.Table) -> int:
     """Exact size in bytes of the shard file ``write_shard`` would produce, without writing it."""
     sink = pa.MockOutputStream()

@@ -13,7 +13,7 @@ from epochcache.layout import CacheLayout, parse_shard_name
 from epochcache.ledger import Ledger, ShardRecord
 from epochcache.quarantine import quarantine_shard
 from epochcache.repair import Repairs, check, reconcile
-from epochcache.shards import ShardMeta, open_shard, with_record_meta, write_shard
+from epochcache.shards import ShardMeta, open_shard, schema_fingerprint, with_record_meta, write_shard
 
 
 @pytest.fixture
@@ -35,7 +35,8 @@ def write_record(layout: CacheLayout, shard_id: str, created: float) -> ShardRec
     checksum = write_shard(table, layout.tmp_path(shard_id), partial(layout.shard_path, shard_id))
     path = layout.shard_path(shard_id, checksum)
     return ShardRecord(id=shard_id, filename=path.name, nbytes=path.stat().st_size, rows=table.num_rows,
-                       created=created, checksum=checksum, units=units)
+                       created=created, checksum=checksum, units=units, schema=schema_fingerprint(table.schema),
+                       verified=True)
 
 
 def publish_shard(layout: CacheLayout, ledger: Ledger, shard_id: str, created: float) -> ShardRecord:

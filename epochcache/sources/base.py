@@ -13,10 +13,14 @@ KEY_COLUMN = "__key__"
 
 @dataclass(frozen=True)
 class RemoteObject:
-    """One object of the remote listing: its path as the filesystem names it, and its size."""
+    """One object of the remote listing: its path as the filesystem names it, its size, and the
+    version the listing saw (``etag``: the store's ETag or version id, None where the store has
+    none). Every read of the object is pinned to that version: a rewritten object is never read
+    up to a stale size."""
 
     path: str
     size: int
+    etag: str | None = None
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,10 @@ class ObjectSource(FileSource):
         columns: Sequence[str] | None = None,
         storage_options: dict[str, Any] | None = None,
         labels: str | None = None,
+        max_sample_bytes: int = 256 * 2**20,
     ) -> None:
         super().__init__(url, columns, storage_options)
+        self.max_sample_bytes = max_sample_bytes
         self._labels_from = labels
         self._sidecar_path: str | None = None
         self._sidecar: pa.Table | None = None

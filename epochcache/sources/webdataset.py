@@ -13,6 +13,8 @@ from __future__ import annotations
 import io
 import posixpath
 import tarfile
+from collections.abc import Sequence
+from typing import Any
 
 import pyarrow as pa
 
@@ -28,6 +30,13 @@ class WebDatasetSource(FileSource):
     suffixes = _SUFFIXES
     kind = 'WebDataset tar'
     column_word = 'field'
+
+    def __init__(
+        self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None,
+        max_sample_bytes: int = 256 * 2**20,
+    ) -> None:
+        super().__init__(url, columns, storage_options)
+        self.max_sample_bytes = max_sample_bytes
 
     def units(self, obj: RemoteObject) -> list[Unit]:
         return [Unit(obj, 0, None, 0, obj.size)]
