@@ -14,6 +14,7 @@
     │   ├── DaemonRunningError      another sync daemon already owns the cache dir
     │   ├── DatasetMismatchError    the config would write rows of another dataset into this cache
     │   ├── LedgerError             the ledger database is unreadable: ``epochcache verify --fix`` rebuilds it
+    │   │   └── LedgerFullError     the ledger could not write (disk full): nothing published, back off
     │   └── ShardCorruptError       a shard file fails its checksum or Arrow structure
     └── LoaderError                 the training side cannot build an epoch
         └── CacheEmptyError         no shard appeared before the wait timed out
@@ -71,6 +72,12 @@ class DatasetMismatchError(CacheError):
 class LedgerError(CacheError):
     """The ledger cannot be read or written (damaged database); ``epochcache verify --fix`` rebuilds it
     from the shard files, each of which carries its own record."""
+
+
+class LedgerFullError(LedgerError):
+    """The ledger's database could not be written because its filesystem is full (ENOSPC). Nothing
+    was published or changed; the daemon backs off and retries, as for a shard write that hits a
+    full disk, and readers go on reading."""
 
 
 class ShardCorruptError(CacheError):
