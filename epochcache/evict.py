@@ -10,6 +10,11 @@ never-used shards count as used at their creation), ``most-used`` (the shards tr
 first, so the local set stays fresh), ``random`` (uniform). :class:`MaxUses` wraps any of them:
 shards used ``max_uses`` times or more go first, oldest first, then the wrapped policy's picks.
 Every policy labels its victims, so the ledger counts evictions per policy.
+
+Each policy but ``random`` also gives its order as SQL (``stages()``: ``(where, order by)`` over the
+ledger's ``shards`` columns, each served by an index), so the ledger walks the index for k victims in
+O(k log n) instead of loading every record; ``__call__`` is the same order over a list (tests, and
+the ledger's fallback for ``random``, which loads every live record: O(n)).
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ class Fifo(_Named):
     def __call__(self, candidates: Sequence[ShardRecord], need: int) -> list[ShardRecord]:
         return take_until(sorted(candidates, key=by_age), need)
 
+    def stages(self) -> list[tuple[str, str]]:
+        return [("1", "created, id")]
+
 
 @dataclass(frozen=True)
 class Lru(_Named):
@@ -65,6 +73,9 @@ class Lru(_Named):
 
         return take_until(sorted(candidates, key=key), need)
 
+    def stages(self) -> list[tuple[str, str]]:
+        return [("1", "recency, created, id")]  # recency: last_used, or created if never used
+
 
 @dataclass(frozen=True)
 class MostUsed(_Named):
@@ -74,6 +85,9 @@ class MostUsed(_Named):
 
     def __call__(self, candidates: Sequence[ShardRecord], need: int) -> list[ShardRecord]:
         return take_until(sorted(candidates, key=lambda r: (-r.uses, *by_age(r))), need)
+
+    def stages(self) -> list[tuple[str, str]]:
+        return [("1", "uses DESC, created, id")]
 
 
 @dataclass(frozen=True)
@@ -105,6 +119,15 @@ class MaxUses:
         taken = take_until(worn, need)
         rest = [r for r in candidates if r.uses < self.max_uses]
         return taken + self.policy(rest, need - sum(r.nbytes for r in taken))
+
+    def stages(self) -> list[tuple[str, str]] | None:
+        """Worn shards oldest first (the age index, filtered), then the wrapped policy's stages;
+        None if the wrapped policy has none."""
+        inner = getattr(self.policy, "stages", None)
+        if inner is None:
+            return None
+        worn = [(f"uses >= {int(self.max_uses)}", "created, id")]
+        return worn + [(f"uses < {int(self.max_uses)} AND ({where})", order) for where, order in inner()]
 
     def label(self, victim: ShardRecord) -> str:
         return "max_uses" if victim.uses >= self.max_uses else self.policy.label(victim)

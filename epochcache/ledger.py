@@ -1,242 +1,296 @@
-"""The ledger: the single source of truth about a cache directory, on diskcache (SQLite).
+"""The ledger: the single source of truth about a cache directory, in one SQLite database.
 
 It records published shards (:class:`ShardRecord`, with how often and when epochs used them), the
 bytes reserved for the shard being written, quarantined shards, the sampler's cursor and listing,
-epoch leases, the daemon's state and counters. The daemon and any number of training
-processes open the same ledger; every read-modify-write runs in one diskcache transaction (SQLite
-``BEGIN IMMEDIATE``), so processes never see each other's half-done changes.
+epoch leases, the daemon's state and counters, in the typed tables of :mod:`epochcache.ledger_schema`
+(``<dir>/ledger.sqlite3``, WAL mode). The daemon and any number of training processes open the same
+ledger; every read-modify-write runs in one ``BEGIN IMMEDIATE`` transaction, so processes never see
+each other's half-done changes. Costs do not grow with the cache: totals are kept by triggers,
+eviction walks an index for as many victims as it needs, a lease stores a row-number bound instead
+of its shard list.
 
 Invariants it keeps:
 
 - a shard file is visible to readers only once its record is published, and a record is removed
   before its file is deleted (``make_room`` returns victims; the caller deletes their files after);
-- a shard named by an unexpired lease is never deleted: the policy's picks are marked retiring,
+- a shard named by a live lease is never deleted: the policy's picks are marked retiring,
   left out of new snapshots, and evicted once no lease holds them, so a trainer that always holds
   an epoch cannot stall the cache's rotation, and the daemon waits rather than break the budget;
-- bytes are accounted here (shard records + reservation + quarantined files + the ledger's database,
-  as much again for its journal and a fixed reserve), never by scanning the shard folder;
-  quarantined files are the first bytes freed when room is needed.
+- a lease is live while its owner process lives (same host: checked by pid and start time, so a
+  stopped trainer keeps its shards and a killed one frees them at once) or, for owners on other
+  hosts, until its TTL runs out;
+- bytes are accounted here (shard records + reservation + quarantined files + the ledger's files and
+  a fixed reserve), never by scanning the shard folder; quarantined files are the first bytes freed
+  when room is needed;
+- a damaged database surfaces as one :class:`LedgerError` line, a full disk as
+  :class:`LedgerFullError` with nothing changed.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import sqlite3
+import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import diskcache
-import tenacity
+import xxhash
 
-_SHARD = "shard:"
-_LEASE = "lease:"
-_RESERVED = "reserved"
-_RETIRING = "retiring"
-_CURSOR = "cursor"
-_LISTING = "listing"
-_COUNTER = "count:"
-_QUARANTINE = "quarantine:"
-_DAEMON = "daemon"
+from epochcache.layout import SHARD_SUFFIX
+from epochcache.lease_owner import Owner, this_process
+from epochcache.ledger_records import Lease, Quarantined, ShardRecord, Usage, by_age, take_until
+from epochcache.ledger_schema import (
+    DB_NAME,
+    LEGACY_DB_NAME,
+    OPEN_PATIENCE_S,
+    Connect,
+    connect,
+    open_database,
+    readable_errors,
+)
+from epochcache.shard_files import whole_shards
 
-# SQLite runs with a rollback journal, not a WAL: a WAL only shrinks at checkpoints, which readers that
-# hold old snapshots (trainers, status) hold off, so its size has no bound (860 KB seen in a 10 s test
-# with two trainers). A rollback journal holds the original of each page a transaction changes once,
-# so it never exceeds the database plus its headers, and it is deleted at each commit. The ledger is
-# charged twice its database (the database and a journal as large) plus this reserve: the lock file,
-# journal headers and the growth of the database between a reservation and its publish.
+__all__ = ["LEDGER_RESERVE", "OPEN_PATIENCE_S", "PUBLISH_GROWTH", "Chooser", "Lease", "Ledger", "Quarantined",
+           "ShardRecord", "Usage", "by_age", "take_until"]
+
+log = logging.getLogger(__name__)
+
+# The ledger is charged its database, its WAL and this reserve: the WAL's growth between two
+# checkpoints (32 pages, see ledger_schema.connect) and its shared-memory index, with room to spare.
 LEDGER_RESERVE = 256 * 1024
-# Each reservation also leaves room for the database's growth by the publish that follows (a record
-# and counters: a few pages, charged twice), so the charge itself, not only the bytes on disk, stays
-# within the budget after the publish.
+# Each reservation also leaves room for the database's growth by the publish that follows (a record,
+# its units and counters: a few pages), so the charge stays within the budget after the publish.
 PUBLISH_GROWTH = 64 * 1024
 
 # Victim chooser (an eviction policy): (shards not yet retiring, leased or not, bytes to free) ->
 # shards to retire, in order. If it has a ``label(record) -> str`` method, evictions are counted per
-# label (``evicted.fifo``, ``evicted.max_uses``...), else under its ``name``.
-Chooser = Callable[[Sequence["ShardRecord"], int], Sequence["ShardRecord"]]
+# label (``evicted.fifo``, ``evicted.max_uses``...), else under its ``name``. If its ``stages()``
+# gives ``(where, order by)`` clauses over ``shards`` columns, the ledger walks them in turn by index
+# (a shard picked by one stage is not picked again) instead of loading every candidate.
+Chooser = Callable[[Sequence[ShardRecord], int], Sequence[ShardRecord]]
 
 
-@dataclass(frozen=True)
-class ShardRecord:
-    """A published shard: its file name in the shard folder, size, rows and the units it holds.
-
-    ``uses`` counts the epochs whose snapshot held it and ``last_used`` is when the latest began
-    (None: never used); the ledger updates both in the transaction that takes a snapshot.
-    """
-
-    id: str
-    filename: str
-    nbytes: int
-    rows: int
-    created: float
-    checksum: str
-    units: tuple[str, ...]
-    uses: int = 0
-    last_used: float | None = None
-    schema: str = ""  # fingerprint of the rows' Arrow schema (shards.schema_fingerprint); "" if unknown
-    verified: bool = False  # its checksum was checked once on this host (at write, or lazily by a reader)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ShardRecord:
-        return cls(**{**data, "units": tuple(data["units"])})
+_COLUMNS = "n, id, file, bytes, rows, created, checksum, units, uses, last_used, schema, verified"
+_LIVE, _RETIRING = 0, 1
 
 
-@dataclass(frozen=True)
-class Lease:
-    """A training epoch's hold on an exact shard set; its shards are not evicted until it ends."""
-
-    id: str
-    owner: str
-    shards: tuple[ShardRecord, ...]
-    expires: float
+def _record(row: sqlite3.Row | tuple[Any, ...]) -> ShardRecord:
+    _, sid, file, nbytes, rows, created, checksum, units, uses, last_used, schema, verified = row
+    return ShardRecord(id=sid, filename=file or f"{sid}.{checksum}{SHARD_SUFFIX}", nbytes=nbytes, rows=rows,
+                       created=created, checksum=checksum, units=tuple(json.loads(units)), uses=uses,
+                       last_used=last_used, schema=schema, verified=bool(verified))
 
 
-@dataclass(frozen=True)
-class Quarantined:
-    """A shard moved to the quarantine folder: its record, why, and when (its bytes stay charged)."""
-
-    record: ShardRecord
-    reason: str
-    at: float
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Byte accounting of a cache directory at one moment."""
-
-    shard_bytes: int
-    reserved_bytes: int
-    ledger_bytes: int
-    shards: int
-    rows: int
-    leases: int
-    quarantined_bytes: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.shard_bytes + self.reserved_bytes + self.ledger_bytes + self.quarantined_bytes
-
-
-# How long opening the ledger keeps retrying while other processes hold its database locked.
-OPEN_PATIENCE_S = 60.0
-
-
-def _open_cache(directory: Path) -> diskcache.Cache:
-    """Open the ledger's diskcache, retrying while the database is locked.
-
-    diskcache runs schema statements on open. Under a rollback journal SQLite answers "database is
-    locked" at once, without waiting, when another process is mid-write (its busy handler would risk a
-    deadlock), so ranks and a daemon opening one cache together must retry rather than fail.
-    """
-    retrying = tenacity.Retrying(
-        retry=tenacity.retry_if_exception(_is_locked),
-        wait=tenacity.wait_random_exponential(multiplier=0.01, max=0.5),
-        stop=tenacity.stop_after_delay(OPEN_PATIENCE_S),
-        reraise=True,
-    )
-    cache: diskcache.Cache = retrying(
-        diskcache.Cache,
-        str(directory),
-        eviction_policy="none",  # diskcache must never cull our records on its own
-        size_limit=2**62,
-        disk_min_file_size=2**30,  # keep every value inside SQLite: no side files to account
-        sqlite_journal_mode="delete",  # a bounded journal; see LEDGER_RESERVE
-    )
-    return cache
-
-
-def _is_locked(exc: BaseException) -> bool:
-    return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
+def _unit_hash(key: str) -> int:
+    """A unit key's 64-bit hash as SQLite's signed integer."""
+    value = xxhash.xxh3_64_intdigest(key.encode())
+    return value - 2**64 if value >= 2**63 else value
 
 
 class Ledger:
-    """Process-safe record of a cache directory's contents (see module docstring)."""
+    """Process-safe record of a cache directory's contents (see module docstring).
 
-    def __init__(self, directory: str | Path) -> None:
+    ``directory`` is the cache's ledger folder (``CacheLayout.ledger``); its parent holds ``shards/``.
+    ``connect`` opens the SQLite connection (tests inject one whose writes fail with a full disk).
+    A ledger left by the diskcache-based epochcache is rebuilt from the shard files on first open.
+    """
+
+    def __init__(self, directory: str | Path, connect: Connect = connect) -> None:
         self._dir = Path(directory)
-        self._cache = _open_cache(self._dir)
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self.path = self._dir / DB_NAME
+        self._connect = connect
+        self._lock = threading.RLock()  # one connection per process, shared by its threads
+        legacy = self._dir / LEGACY_DB_NAME
+        migrate = legacy.exists() and not self.path.exists()
+        self._con = open_database(self.path, connect)
+        self._pid = os.getpid()
+        if migrate:
+            self._migrate(legacy)
+
+    @classmethod
+    def rebuild(cls, directory: str | Path, connect: Connect = connect) -> Ledger:
+        """A new ledger built from the shard files next to ``directory``, the old database (damaged, or
+        of another version) set aside as ``ledger.sqlite3.damaged``. Hold the cache's lock."""
+        folder = Path(directory)
+        damaged = folder / DB_NAME
+        if damaged.exists():
+            damaged.replace(folder / (DB_NAME + ".damaged"))
+        for suffix in ("-wal", "-shm"):
+            (folder / (DB_NAME + suffix)).unlink(missing_ok=True)
+        ledger = cls(folder, connect)
+        ledger._adopt_files("rebuilt the ledger")
+        return ledger
+
+    def _migrate(self, legacy: Path) -> None:
+        self._adopt_files(f"migrated the ledger {legacy} (diskcache) to {self.path}")
+        legacy.unlink()
+        for name in ("cache.db-journal", "cache.db-wal", "cache.db-shm"):
+            (self._dir / name).unlink(missing_ok=True)
+
+    def _adopt_files(self, what: str) -> None:
+        records = whole_shards(self._dir.parent / "shards")
+        self.adopt(records)
+        log.warning("%s from %d shard files (each carries its record)", what, len(records))
 
     def close(self) -> None:
-        self._cache.close()
+        with self._lock:
+            self._con.close()
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _db(self) -> sqlite3.Connection:
+        if os.getpid() != self._pid:  # a forked child must not use its parent's SQLite connection
+            self._con = open_database(self.path, self._connect)
+            self._pid = os.getpid()
+        return self._con
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (``BEGIN IMMEDIATE``): all of it or nothing."""
+        with self._lock, readable_errors(self.path):
+            con = self._db()
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                yield con
+                con.execute("COMMIT")
+            except BaseException:
+                if con.in_transaction:
+                    con.execute("ROLLBACK")
+                raise
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """One read transaction: a consistent view across its statements, blocking no writer (WAL)."""
+        with self._lock, readable_errors(self.path):
+            con = self._db()
+            con.execute("BEGIN")
+            try:
+                yield con
+            finally:
+                if con.in_transaction:
+                    con.execute("COMMIT")
+
+    def _get(self, key: str) -> Any:
+        with self._read() as con:
+            return _kv(con, key)
+
+    def _set(self, key: str, value: Any) -> None:
+        with self._write() as con:
+            _set_kv(con, key, value)
 
     # -- shards ---------------------------------------------------------------------------------
 
     def shards(self) -> list[ShardRecord]:
         """All published shards, oldest first."""
-        return sorted(self._records(), key=by_age)
+        with self._read() as con:
+            return [_record(r) for r in con.execute(f"SELECT {_COLUMNS} FROM shards ORDER BY created, id")]
+
+    def newest(self, n: int) -> list[ShardRecord]:
+        """The ``n`` newest published shards, newest first (one index walk)."""
+        with self._read() as con:
+            rows = con.execute(f"SELECT {_COLUMNS} FROM shards INDEXED BY shards_age WHERE state IN (0, 1) "
+                               "ORDER BY created DESC, id DESC LIMIT ?", (n,)).fetchall()
+        return [_record(r) for r in rows]
+
+    def cached_units(self, keys: Iterable[str]) -> set[str]:
+        """Which of ``keys`` are units of a published shard."""
+        out = set()
+        with self._read() as con:
+            for key in keys:
+                for (units,) in con.execute("SELECT s.units FROM units u JOIN shards s ON s.n = u.shard "
+                                            "WHERE u.h = ?", (_unit_hash(key),)):
+                    if key in json.loads(units):  # a hash collision is not a hit
+                        out.add(key)
+                        break
+        return out
+
+    def filenames(self) -> set[str]:
+        """The file names of all published shards (for joining against a directory listing)."""
+        with self._read() as con:
+            return {file or f"{sid}.{checksum}{SHARD_SUFFIX}"
+                    for sid, file, checksum in con.execute("SELECT id, file, checksum FROM shards")}
 
     def publish(self, record: ShardRecord, cursor: dict[str, Any] | None = None) -> None:
         """Make ``record`` visible, move the cursor past its units and free the reservation, atomically."""
-        with self._cache.transact(retry=True):
-            self._cache.set(_SHARD + record.id, asdict(record))
+        with self._write() as con:
+            _insert(con, [record])
             if cursor is not None:
-                self._cache.set(_CURSOR, dict(cursor))
-            self._cache.set(_RESERVED, 0)
-            self._cache.incr(_COUNTER + "published", 1, retry=True)
+                _set_kv(con, "cursor", cursor)
+            _set_kv(con, "reserved", 0)
+            _incr(con, "published", 1)
 
     def adopt(self, records: Sequence[ShardRecord]) -> None:
         """Record shards found whole on disk but unknown to the ledger (a crash before publish)."""
-        with self._cache.transact(retry=True):
-            for record in records:
-                self._cache.set(_SHARD + record.id, asdict(record))
-            self._cache.incr(_COUNTER + "adopted", len(records), retry=True)
+        with self._write() as con:
+            _insert(con, records)
+            _incr(con, "adopted", len(records))
 
     def drop(self, shard_ids: Sequence[str]) -> None:
         """Forget shards (used when their files are gone); their files are the caller's business."""
-        with self._cache.transact(retry=True):
-            for shard_id in shard_ids:
-                self._cache.delete(_SHARD + shard_id)
+        with self._write() as con:
+            _delete(con, shard_ids)
+
+    def mark_verified(self, shard_ids: Sequence[str]) -> None:
+        """Record that these shards' checksums were checked on this host (readers skip them after)."""
+        with self._write() as con:
+            con.executemany("UPDATE shards SET verified = 1 WHERE id = ?", ((sid,) for sid in shard_ids))
 
     # -- quarantine -----------------------------------------------------------------------------
 
     def quarantine(self, shard_id: str, reason: str) -> ShardRecord | None:
         """Move a shard's record to the quarantine, its bytes still charged; None if not published."""
-        with self._cache.transact(retry=True):
-            data = self._cache.get(_SHARD + shard_id)
-            if data is None:
+        with self._write() as con:
+            row = con.execute(f"SELECT {_COLUMNS} FROM shards WHERE id = ?", (shard_id,)).fetchone()
+            if row is None:
                 return None
-            self._cache.delete(_SHARD + shard_id)
-            self._cache.set(_QUARANTINE + shard_id, {"record": data, "reason": reason, "at": time.time()})
-            self._cache.incr(_COUNTER + "quarantined", 1, retry=True)
-        return ShardRecord.from_dict(data)
+            record = _record(row)
+            _delete(con, [shard_id])
+            data = {**record.__dict__, "units": list(record.units)}
+            con.execute("INSERT OR REPLACE INTO quarantine VALUES (?, ?, ?, ?, ?)",
+                        (shard_id, json.dumps(data), record.nbytes, reason, time.time()))
+            _incr(con, "quarantined", 1)
+        return record
 
     def quarantined(self) -> list[Quarantined]:
         """Quarantined shards, oldest quarantine first."""
-        with self._cache.transact(retry=True):
-            entries = self._quarantined()
-        return sorted(entries, key=lambda q: q.at)
+        with self._read() as con:
+            rows = con.execute("SELECT record, reason, at FROM quarantine ORDER BY at").fetchall()
+        return [Quarantined(ShardRecord.from_dict(json.loads(data)), reason, at) for data, reason, at in rows]
 
     def forget_quarantined(self, shard_ids: Sequence[str]) -> None:
         """Stop charging quarantined shards (call once their files are gone)."""
-        with self._cache.transact(retry=True):
-            for shard_id in shard_ids:
-                self._cache.delete(_QUARANTINE + shard_id)
+        with self._write() as con:
+            con.executemany("DELETE FROM quarantine WHERE id = ?", ((sid,) for sid in shard_ids))
 
     # -- budget ---------------------------------------------------------------------------------
 
     def usage(self) -> Usage:
-        with self._cache.transact(retry=True):
-            records = list(self._records())
-            reserved = int(self._cache.get(_RESERVED, 0))
-            leases = len(self._live_leases())
-            quarantined = sum(q.record.nbytes for q in self._quarantined())
-        return Usage(
-            shard_bytes=sum(r.nbytes for r in records),
-            reserved_bytes=reserved,
-            ledger_bytes=self.disk_bytes(),
-            shards=len(records),
-            rows=sum(r.rows for r in records),
-            leases=leases,
-            quarantined_bytes=quarantined,
-        )
+        """Byte accounting from the kept totals: O(1) in the number of shards."""
+        with self._read() as con:
+            shards, nbytes, rows = con.execute(
+                "SELECT sum(shards), sum(bytes), sum(rows) FROM totals").fetchone()
+            reserved = int(_kv(con, "reserved") or 0)
+            quarantined = con.execute("SELECT coalesce(sum(bytes), 0) FROM quarantine").fetchone()[0]
+            leases = len(_live_leases(con))
+        return Usage(shard_bytes=nbytes, reserved_bytes=reserved, ledger_bytes=self.disk_bytes(), shards=shards,
+                     rows=rows, leases=leases, quarantined_bytes=quarantined)
 
     def disk_bytes(self) -> int:
-        """Bytes charged to the ledger: twice its database file (it and its journal) plus :data:`LEDGER_RESERVE`."""
-        return 2 * os.stat(self._dir / diskcache.core.DBNAME).st_size + LEDGER_RESERVE
+        """Bytes charged to the ledger: its database and WAL files plus :data:`LEDGER_RESERVE`."""
+        total = LEDGER_RESERVE
+        for name in (DB_NAME, DB_NAME + "-wal"):
+            try:
+                total += os.stat(self._dir / name).st_size
+            except FileNotFoundError:
+                continue
+        return total
 
     def make_room(
         self, nbytes: int, budget: int, choose: Chooser, evict_to: int | None = None
@@ -251,254 +305,298 @@ class Ledger:
         leased still rotates that fraction at each epoch boundary instead of one shard.
 
         ``choose`` orders all shards not yet retiring, leased or not, so a policy is never bent by
-        leases (fifo never evicts a new shard because the old ones are in use, which would churn
-        unread shards at wire speed). Picked shards become *retiring*: new snapshots leave them out,
-        and each is evicted as soon as no lease holds it. Returns the evicted records (already removed
-        from the ledger; the caller deletes their files), or None when the retiring shards free too
-        little yet; then nothing is reserved and the caller waits. ``choose=lambda *_: []`` reserves
-        only if the room is free and never retires anything.
+        leases. Picked shards become *retiring*: new snapshots leave them out, and each is evicted as
+        soon as no lease holds it. Returns the evicted records (already removed from the ledger; the
+        caller deletes their files), or None when the retiring shards free too little yet; then
+        nothing is reserved and the caller waits. ``choose=lambda *_: []`` reserves only if the room
+        is free and never retires anything. Cost: O(k log n) for k victims with an indexed chooser.
         """
-        with self._cache.transact(retry=True):
-            records = list(self._records())
-            quarantined = [q.record for q in self._quarantined()]
-            used = (sum(r.nbytes for r in records + quarantined) + int(self._cache.get(_RESERVED, 0))
-                    + self.disk_bytes())
+        with self._write() as con:
+            shard_bytes = con.execute("SELECT sum(bytes) FROM totals").fetchone()[0]
+            quarantined = con.execute("SELECT coalesce(sum(bytes), 0) FROM quarantine").fetchone()[0]
+            reserved = int(_kv(con, "reserved") or 0)
+            used = shard_bytes + quarantined + reserved + self.disk_bytes()
             need = used + nbytes + PUBLISH_GROWTH - budget
             victims: list[ShardRecord] = []
             if need > 0:
                 goal = max(need, used + nbytes + PUBLISH_GROWTH - (budget if evict_to is None else evict_to))
-                retiring_ids = set(self._cache.get(_RETIRING, ()))
-                retiring = [r for r in records if r.id in retiring_ids]
-                short = goal - sum(r.nbytes for r in retiring)
-                if short > 0:
-                    retiring += choose([r for r in records if r.id not in retiring_ids], short)
-                leased = {sid for lease in self._live_leases() for sid in lease["shards"]}
-                victims = take_until([r for r in retiring if r.id not in leased], goal)
+                retiring_bytes = con.execute("SELECT bytes FROM totals WHERE state = 1").fetchone()[0]
+                if goal > retiring_bytes:
+                    picks = _choose(con, choose, goal - retiring_bytes)
+                    con.executemany("UPDATE shards SET state = 1 WHERE id = ?", ((r.id,) for r in picks))
+                victims = take_until(_unleased_retiring(con), goal)
                 if sum(v.nbytes for v in victims) < need:
-                    self._cache.set(_RETIRING, sorted(r.id for r in retiring))
                     return None
-                evicted = {v.id for v in victims}
-                self._cache.set(_RETIRING, sorted(r.id for r in retiring if r.id not in evicted))
-            for victim in victims:
-                self._cache.delete(_SHARD + victim.id)
-            self._cache.set(_RESERVED, int(self._cache.get(_RESERVED, 0)) + nbytes)
+                _delete(con, [v.id for v in victims])
+            _set_kv(con, "reserved", reserved + nbytes)
             if victims:
-                self._cache.incr(_COUNTER + "evicted", len(victims), retry=True)
+                _incr(con, "evicted", len(victims))
                 label = getattr(choose, "label", None)
                 for victim in victims:
                     name = label(victim) if label is not None else getattr(choose, "name", "unnamed")
-                    self._cache.incr(f"{_COUNTER}evicted.{name}", 1, retry=True)
+                    _incr(con, f"evicted.{name}", 1)
         return victims
 
     def clear_reservation(self) -> None:
         """Forget the bytes reserved for a shard that will not be published."""
-        self._cache.set(_RESERVED, 0, retry=True)
+        self._set("reserved", 0)
 
     def clear_retiring(self) -> None:
         """Return retiring shards to snapshots (at daemon start: their retirement was never finished)."""
-        self._cache.set(_RETIRING, [], retry=True)
+        with self._write() as con:
+            con.execute("UPDATE shards SET state = 0 WHERE state = 1")
 
     # -- leases ---------------------------------------------------------------------------------
 
-    def snapshot(self, owner: str, ttl_s: float) -> Lease:
+    def snapshot(self, owner: str, ttl_s: float, holder: Owner | None = None) -> Lease:
         """Take the current shard set (less retiring shards) and a lease on exactly it, atomically.
 
         The same transaction counts one use of each shard in the set and stamps its ``last_used``
         (what ``lru``, ``most-used`` and ``max_uses`` decide by); the lease's records carry the
-        counts from before this use.
+        counts from before this use. ``holder``: the process the lease lives with (default: this
+        one); ``ttl_s`` bounds it only where that process's liveness cannot be checked (another host).
         """
         lease_id = uuid.uuid4().hex
         now = time.time()
-        with self._cache.transact(retry=True):
-            retiring = set(self._cache.get(_RETIRING, ()))
-            live = (r for r in self._records() if r.id not in retiring)
-            records = tuple(sorted(live, key=by_age))
-            for r in records:
-                self._cache.set(_SHARD + r.id, {**asdict(r), "uses": r.uses + 1, "last_used": now})
-            self._cache.set(
-                _LEASE + lease_id,
-                {"owner": owner, "shards": [r.id for r in records], "expires": now + ttl_s, "taken": now},
-                expire=ttl_s,
-            )
-        return Lease(id=lease_id, owner=owner, shards=records, expires=now + ttl_s)
+        holder = holder or this_process()
+        with self._write() as con:
+            rows = con.execute(f"SELECT {_COLUMNS} FROM shards INDEXED BY shards_age WHERE state = 0 "
+                               "ORDER BY created, id").fetchall()
+            upto = max((row[0] for row in rows), default=0)
+            con.execute("INSERT INTO lease_excluded SELECT ?, n FROM shards WHERE state <> 0 AND n <= ?",
+                        (lease_id, upto))
+            con.execute("UPDATE shards SET uses = uses + 1, last_used = ?, recency = ? WHERE state = 0", (now, now))
+            con.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (lease_id, owner, holder.host, holder.pid, holder.started, now + ttl_s, now, upto, len(rows)))
+        return Lease(id=lease_id, owner=owner, shards=tuple(_record(r) for r in rows), expires=now + ttl_s)
 
     def renew(self, lease_id: str, ttl_s: float) -> bool:
-        """Push a lease's expiry ``ttl_s`` into the future; False if it had already expired."""
-        with self._cache.transact(retry=True):
-            data = self._cache.get(_LEASE + lease_id)
-            if data is None or data["expires"] < time.time():
+        """Push a lease's expiry ``ttl_s`` into the future; False if it had already ended."""
+        with self._write() as con:
+            if lease_id not in {lease["id"] for lease in _live_leases(con)}:
                 return False
-            data["expires"] = time.time() + ttl_s
-            self._cache.set(_LEASE + lease_id, data, expire=ttl_s)
+            con.execute("UPDATE leases SET expires = ? WHERE id = ?", (time.time() + ttl_s, lease_id))
         return True
 
     def release(self, lease_id: str) -> None:
-        self._cache.delete(_LEASE + lease_id, retry=True)
+        with self._write() as con:
+            _end_leases(con, [lease_id])
 
     def purge_expired(self) -> int:
-        """Delete expired leases from the database (they already protect nothing); returns how many."""
-        return int(self._cache.expire(retry=True))
+        """Delete ended leases (owner dead, or TTL past for another host's) from the database; how many."""
+        with self._write() as con:
+            live = {lease["id"] for lease in _live_leases(con)}
+            ended = [lid for (lid,) in con.execute("SELECT id FROM leases") if lid not in live]
+            _end_leases(con, ended)
+        return len(ended)
 
-    def leases(self) -> list[dict[str, Any]]:
-        """Unexpired leases as ``{"id", "owner", "shards", "expires", "taken"}`` dicts."""
-        with self._cache.transact(retry=True):
-            return self._live_leases()
+    def leases(self, with_shards: bool = True) -> list[dict[str, Any]]:
+        """Live leases as ``{"id", "owner", "host", "pid", "shards", "expires", "taken"}`` dicts;
+        ``shards`` lists the shard ids, or with ``with_shards=False`` is their count (no shard read)."""
+        with self._read() as con:
+            leases = _live_leases(con)
+            for lease in leases:
+                if with_shards:
+                    lease["shards"] = [sid for (sid,) in con.execute(
+                        "SELECT id FROM shards WHERE n <= ? AND n NOT IN "
+                        "(SELECT shard FROM lease_excluded WHERE lease = ?) ORDER BY created, id",
+                        (lease["upto"], lease["id"]))]
+                del lease["upto"]
+        return leases
 
     # -- sampler state --------------------------------------------------------------------------
 
     def cursor(self) -> dict[str, Any] | None:
-        return self._cache.get(_CURSOR, retry=True)
+        return self._get("cursor")  # type: ignore[no-any-return]
 
     def set_cursor(self, cursor: dict[str, Any]) -> None:
-        self._cache.set(_CURSOR, dict(cursor), retry=True)
+        self._set("cursor", cursor)
 
     def listing(self) -> dict[str, Any] | None:
-        return self._cache.get(_LISTING, retry=True)
+        return self.stream_listing("")
 
     def set_listing(self, listing: dict[str, Any]) -> None:
-        self._cache.set(_LISTING, listing, retry=True)
+        self.set_stream_listing("", listing)
 
-    # Each source (a stream, by its name) has its own listing header: ``listing`` for the unnamed
-    # single source (what ``listing()`` returns, so caches made before ``sources:`` resume), else
-    # ``"listing:<name>"``.
+    # Each source (a stream, by its name) has its own listing header; ``""`` is the unnamed single source.
 
     def stream_listing(self, stream: str) -> dict[str, Any] | None:
-        return self._cache.get(f"{_LISTING}:{stream}" if stream else _LISTING, retry=True)
+        return self._get("listing:" + stream)  # type: ignore[no-any-return]
 
     def set_stream_listing(self, stream: str, listing: dict[str, Any]) -> None:
-        self._cache.set(f"{_LISTING}:{stream}" if stream else _LISTING, listing, retry=True)
+        self._set("listing:" + stream, listing)
+
+    # The remote listing in pages, written as the listing streams in: (stream, page number) -> a
+    # list of ``(path, size, etag)``; the stream's listing header holds which pass, how many objects
+    # and the page starts.
+
+    def listing_page(self, number: int, stream: str = "") -> list[tuple[str, int, str | None]] | None:
+        """Page ``number`` of ``stream``'s listing as ``(path, size, etag)`` rows; None if absent."""
+        with self._read() as con:
+            row = con.execute("SELECT objects FROM listing_pages WHERE stream = ? AND number = ?",
+                              (stream, number)).fetchone()
+        return None if row is None else [(p[0], p[1], p[2] if len(p) > 2 else None) for p in json.loads(row[0])]
+
+    def set_listing_page(self, number: int, objects: list[tuple[str, int, str | None]], stream: str = "") -> None:
+        with self._write() as con:
+            con.execute("INSERT OR REPLACE INTO listing_pages VALUES (?, ?, ?)",
+                        (stream, number, json.dumps([list(o) for o in objects])))
+
+    def drop_listing_pages(self, stream: str = "") -> None:
+        with self._write() as con:
+            con.execute("DELETE FROM listing_pages WHERE stream = ?", (stream,))
 
     # -- daemon state ---------------------------------------------------------------------------
 
     def daemon_state(self) -> dict[str, Any] | None:
         """What the sync daemon last said it is doing (``{"pid", "state", "since", ...}``), for status."""
-        return self._cache.get(_DAEMON, retry=True)
+        return self._get("daemon")  # type: ignore[no-any-return]
 
     def set_daemon_state(self, state: dict[str, Any]) -> None:
-        self._cache.set(_DAEMON, dict(state), retry=True)
+        self._set("daemon", state)
 
     def update_daemon_state(self, fields: dict[str, Any]) -> None:
         """Merge ``fields`` into the daemon's state (keys not named keep their values)."""
-        with self._cache.transact(retry=True):
-            self._cache.set(_DAEMON, {**(self._cache.get(_DAEMON) or {}), **fields})
+        with self._write() as con:
+            _set_kv(con, "daemon", {**(_kv(con, "daemon") or {}), **fields})
 
     # -- dataset identity -----------------------------------------------------------------------
 
     def identity(self) -> dict[str, Any] | None:
         """The dataset this cache holds (each source's url, format, columns, and the schema its rows
         produced), as recorded by the first daemon that wrote it; None for a new cache."""
-        return self._cache.get("identity", retry=True)
+        return self._get("identity")  # type: ignore[no-any-return]
 
     def set_identity(self, identity: dict[str, Any] | None) -> None:
         """Bind the cache to ``identity`` (None: unbind, when the cache is emptied on purpose)."""
-        if identity is None:
-            self._cache.delete("identity", retry=True)
-        else:
-            self._cache.set("identity", dict(identity), retry=True)
+        with self._write() as con:
+            if identity is None:
+                con.execute("DELETE FROM kv WHERE key = 'identity'")
+            else:
+                _set_kv(con, "identity", identity)
 
-    def mark_verified(self, shard_ids: Sequence[str]) -> None:
-        """Record that these shards' checksums were checked on this host (readers skip them after)."""
-        with self._cache.transact(retry=True):
-            for shard_id in shard_ids:
-                data = self._cache.get(_SHARD + shard_id)
-                if data is not None:
-                    self._cache.set(_SHARD + shard_id, {**data, "verified": True})
-
-    # Units the daemon skipped after their reads kept failing: ``"skipped:<unit key>"`` -> a dict
+    # Units the daemon skipped after their reads kept failing: unit key -> a dict
     # ``{"path", "size", "index", "pass", "error"}`` (``index`` None: the object's metadata failed).
 
     def skipped(self) -> dict[str, dict[str, Any]]:
         """Every recorded skipped unit, by unit key."""
-        return {
-            key[len("skipped:") :]: self._cache.get(key)
-            for key in self._cache.iterkeys()
-            if isinstance(key, str) and key.startswith("skipped:")
-        }
+        with self._read() as con:
+            return {unit: json.loads(info) for unit, info in con.execute("SELECT unit, info FROM skipped")}
 
     def set_skipped(self, unit_key: str, info: dict[str, Any]) -> None:
-        self._cache.set("skipped:" + unit_key, dict(info), retry=True)
+        with self._write() as con:
+            con.execute("INSERT OR REPLACE INTO skipped VALUES (?, ?)", (unit_key, json.dumps(info)))
 
     def drop_skipped(self, unit_key: str) -> None:
-        self._cache.delete("skipped:" + unit_key, retry=True)
-
-    # The remote listing in pages, written as the listing streams in: ``"listing_page:<n>"`` (the
-    # unnamed single source) or ``"listing_page:<stream>:<n>"`` -> a list of ``(path, size)``; the
-    # stream's listing header holds which pass, how many objects and the page starts.
-
-    def listing_page(self, number: int, stream: str = "") -> list[tuple[str, int, str | None]] | None:
-        """Page ``number`` of ``stream``'s listing as ``(path, size, etag)`` rows; None if absent."""
-        page = self._cache.get(self._page_key(stream, number), retry=True)
-        return None if page is None else [(row[0], row[1], row[2] if len(row) > 2 else None) for row in page]
-
-    def set_listing_page(self, number: int, objects: list[tuple[str, int, str | None]], stream: str = "") -> None:
-        self._cache.set(self._page_key(stream, number), objects, retry=True)
-
-    def drop_listing_pages(self, stream: str = "") -> None:
-        prefix = self._page_key(stream, "")
-        for key in list(self._cache.iterkeys()):
-            # An unnamed stream's prefix also matches named streams' keys: those end in ":<n>".
-            if isinstance(key, str) and key.startswith(prefix) and key[len(prefix) :].isdigit():
-                self._cache.delete(key, retry=True)
-
-    @staticmethod
-    def _page_key(stream: str, number: int | str) -> str:
-        return f"listing_page:{stream}:{number}" if stream else f"listing_page:{number}"
+        with self._write() as con:
+            con.execute("DELETE FROM skipped WHERE unit = ?", (unit_key,))
 
     # -- counters -------------------------------------------------------------------------------
 
     def incr(self, name: str, delta: int = 1) -> None:
-        self._cache.incr(_COUNTER + name, delta, retry=True)
+        with self._write() as con:
+            _incr(con, name, delta)
 
     def counters(self) -> dict[str, int]:
-        return {
-            key[len(_COUNTER) :]: int(self._cache.get(key, 0))
-            for key in self._cache.iterkeys()
-            if isinstance(key, str) and key.startswith(_COUNTER)
-        }
-
-    # -- internals (call inside a transaction) ---------------------------------------------------
-
-    def _records(self) -> list[ShardRecord]:
-        out = []
-        for key in self._cache.iterkeys():
-            if isinstance(key, str) and key.startswith(_SHARD):
-                data = self._cache.get(key)
-                if data is not None:
-                    out.append(ShardRecord.from_dict(data))
-        return out
-
-    def _quarantined(self) -> list[Quarantined]:
-        out = []
-        for key in self._cache.iterkeys():
-            if isinstance(key, str) and key.startswith(_QUARANTINE):
-                data = self._cache.get(key)
-                if data is not None:
-                    out.append(Quarantined(ShardRecord.from_dict(data["record"]), data["reason"], data["at"]))
-        return out
-
-    def _live_leases(self) -> list[dict[str, Any]]:
-        now = time.time()
-        out = []
-        for key in self._cache.iterkeys():
-            if isinstance(key, str) and key.startswith(_LEASE):
-                data = self._cache.get(key)
-                if data is not None and data["expires"] >= now:
-                    out.append({"id": key[len(_LEASE) :], **data})
-        return out
+        with self._read() as con:
+            return dict(con.execute("SELECT name, value FROM counters"))
 
 
-def by_age(record: ShardRecord) -> tuple[float, str]:
-    """Sort key: oldest first, ties broken by id so every process agrees on the order."""
-    return record.created, record.id
+# -- statements (inside a transaction) ------------------------------------------------------------
 
 
-def take_until(ordered: Sequence[ShardRecord], need: int) -> list[ShardRecord]:
-    """The shortest prefix of ``ordered`` whose bytes reach ``need`` (all of it if they never do)."""
-    taken: list[ShardRecord] = []
+def _kv(con: sqlite3.Connection, key: str) -> Any:
+    row = con.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+    return None if row is None else json.loads(row[0])
+
+
+def _set_kv(con: sqlite3.Connection, key: str, value: Any) -> None:
+    con.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, json.dumps(value)))
+
+
+def _incr(con: sqlite3.Connection, name: str, delta: int) -> None:
+    con.execute("INSERT INTO counters VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
+                (name, delta))
+
+
+def _insert(con: sqlite3.Connection, records: Sequence[ShardRecord]) -> None:
+    """Insert (or replace, by id) shard records and index their units."""
+    _delete(con, [r.id for r in records])
+    for r in records:
+        canonical = f"{r.id}.{r.checksum}{SHARD_SUFFIX}"
+        cur = con.execute(
+            "INSERT INTO shards (id, file, bytes, rows, created, checksum, units, uses, last_used, recency, schema, "
+            "verified) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (r.id, None if r.filename == canonical else r.filename, r.nbytes, r.rows, r.created, r.checksum,
+             json.dumps(list(r.units)), r.uses, r.last_used, r.created if r.last_used is None else r.last_used,
+             r.schema, int(r.verified)))
+        con.executemany("INSERT OR IGNORE INTO units VALUES (?, ?)",
+                        ((_unit_hash(unit), cur.lastrowid) for unit in r.units))
+
+
+def _delete(con: sqlite3.Connection, shard_ids: Sequence[str]) -> None:
+    for sid in shard_ids:
+        row = con.execute("SELECT n, units FROM shards WHERE id = ?", (sid,)).fetchone()
+        if row is None:
+            continue
+        n, units = row
+        con.executemany("DELETE FROM units WHERE h = ? AND shard = ?", ((_unit_hash(u), n) for u in json.loads(units)))
+        con.execute("DELETE FROM shards WHERE n = ?", (n,))
+
+
+def _choose(con: sqlite3.Connection, choose: Chooser, short: int) -> list[ShardRecord]:
+    """Live shards ``choose`` retires to free ``short`` bytes: by index walk if it has stages."""
+    stages_of = getattr(choose, "stages", None)
+    stages = stages_of() if stages_of is not None else None
+    if stages is None:  # an unindexed chooser sees every candidate
+        rows = con.execute(f"SELECT {_COLUMNS} FROM shards WHERE state = 0").fetchall()
+        return list(choose([_record(r) for r in rows], short))
+    picked: list[ShardRecord] = []
+    seen: set[str] = set()
     freed = 0
-    for record in ordered:
-        if freed >= need:
+    for where, order in stages:
+        if freed >= short:
             break
-        taken.append(record)
-        freed += record.nbytes
-    return taken
+        for row in con.execute(f"SELECT {_COLUMNS} FROM shards WHERE state = 0 AND ({where}) ORDER BY {order}"):
+            if freed >= short:
+                break
+            record = _record(row)
+            if record.id not in seen:
+                seen.add(record.id)
+                picked.append(record)
+                freed += record.nbytes
+    return picked
+
+
+def _unleased_retiring(con: sqlite3.Connection) -> list[ShardRecord]:
+    """Retiring shards no live lease holds, oldest first."""
+    live = _live_leases(con)
+    rows = con.execute(f"SELECT {_COLUMNS} FROM shards INDEXED BY shards_age WHERE state = 1 "
+                       "ORDER BY created, id").fetchall()
+    if not live:
+        return [_record(r) for r in rows]
+    held: dict[str, set[int]] = {
+        lease["id"]: {n for (n,) in con.execute("SELECT shard FROM lease_excluded WHERE lease = ?", (lease["id"],))}
+        for lease in live
+    }
+    return [_record(r) for r in rows
+            if not any(r[0] <= lease["upto"] and r[0] not in held[lease["id"]] for lease in live)]
+
+
+def _live_leases(con: sqlite3.Connection) -> list[dict[str, Any]]:
+    """Leases whose owner lives (this host) or whose TTL has not run out (other hosts)."""
+    now = time.time()
+    out = []
+    for lid, owner, host, pid, started, expires, taken, upto, count in con.execute(
+            "SELECT id, owner, host, pid, started, expires, taken, upto, shards FROM leases ORDER BY taken"):
+        alive = Owner(host, pid, started).alive()
+        if alive or (alive is None and expires >= now):
+            out.append({"id": lid, "owner": owner, "host": host, "pid": pid, "shards": count, "expires": expires,
+                        "taken": taken, "upto": upto})
+    return out
+
+
+def _end_leases(con: sqlite3.Connection, lease_ids: Sequence[str]) -> None:
+    for lid in lease_ids:
+        con.execute("DELETE FROM lease_excluded WHERE lease = ?", (lid,))
+        con.execute("DELETE FROM leases WHERE id = ?", (lid,))

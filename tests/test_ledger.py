@@ -6,16 +6,15 @@ import sqlite3
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
-import diskcache
 import pytest
 from conftest import wait_for
 
-import epochcache.ledger as ledger_module
-
+import epochcache.ledger_schema as ledger_schema
 from epochcache.evict import Fifo
+from epochcache.lease_owner import Owner
 from epochcache.ledger import LEDGER_RESERVE, Ledger, ShardRecord, Usage, take_until
+from epochcache.ledger_schema import connect
 
 S = 10_000_000  # nominal shard size; ledger records carry sizes only, no files are needed
 SLACK = S // 2  # room above whole shards, far more than the ledger's own SQLite files
@@ -143,15 +142,19 @@ def test_two_leases_are_independent(ledger: Ledger) -> None:
     first = ledger.snapshot("a", ttl_s=60)
     second = ledger.snapshot("b", ttl_s=60)
     assert first.id != second.id
-    assert {l["owner"] for l in ledger.leases()} == {"a", "b"}
+    assert {x["owner"] for x in ledger.leases()} == {"a", "b"}
     ledger.release(first.id)
-    assert [l["id"] for l in ledger.leases()] == [second.id]
+    assert [x["id"] for x in ledger.leases()] == [second.id]
+
+
+# A lease taken for a process of another host: only its TTL can end it.
+ELSEWHERE = Owner("another-host/boot", 1, 0)
 
 
 def test_lease_expires(ledger: Ledger) -> None:
     publish_all(ledger, [record(1)])
-    lease = ledger.snapshot("short", ttl_s=0.2)
-    assert [l["id"] for l in ledger.leases()] == [lease.id]
+    lease = ledger.snapshot("short", ttl_s=0.2, holder=ELSEWHERE)
+    assert [x["id"] for x in ledger.leases()] == [lease.id]
     wait_for(lambda: ledger.leases() == [], timeout=10)
     assert ledger.usage().leases == 0
     assert ledger.renew(lease.id, ttl_s=60) is False  # too late: it had expired
@@ -165,7 +168,7 @@ def test_renew_extends(ledger: Ledger) -> None:
     assert live["expires"] > time.time() + 50
     # Well past the original expiry, the renewed lease is still live.
     wait_for(lambda: time.time() > lease.expires + 0.3, timeout=5)
-    assert [l["id"] for l in ledger.leases()] == [lease.id]
+    assert [x["id"] for x in ledger.leases()] == [lease.id]
 
 
 def test_renew_released_lease_fails(ledger: Ledger) -> None:
@@ -324,7 +327,7 @@ def test_clear_retiring_returns_shards_to_snapshots(ledger: Ledger) -> None:
 
 def test_expired_lease_does_not_protect(ledger: Ledger) -> None:
     publish_all(ledger, [record(0), record(1)])
-    ledger.snapshot("trainer", ttl_s=0.2)
+    ledger.snapshot("trainer", ttl_s=0.2, holder=ELSEWHERE)
     wait_for(lambda: ledger.leases() == [], timeout=10)
     assert ids(ledger.make_room(S, 2 * S + SLACK, Fifo())) == ["s0"]
 
@@ -382,7 +385,7 @@ def test_second_ledger_on_same_directory_sees_same_data(tmp_path: Path) -> None:
         assert trainer_side.cursor() == {"pass_": 0, "obj": 1, "unit": 0}
 
         lease = trainer_side.snapshot("trainer", ttl_s=60)
-        assert [l["id"] for l in daemon_side.leases()] == [lease.id]
+        assert [x["id"] for l in daemon_side.leases()] == [lease.id]
         # The daemon's eviction respects the lease taken through the other object.
         assert daemon_side.make_room(S, 2 * S + SLACK, Fifo()) is None
         assert ids(list(trainer_side.snapshot("t2", ttl_s=60).shards)) == ["s1"]
@@ -432,14 +435,15 @@ def test_leased_cache_retires_a_batch_per_epoch(ledger: Ledger) -> None:
     assert ids(ledger.make_room(S, budget, Fifo(), evict_to=7 * S + SLACK)) == ["s0", "s1", "s2", "s3"]
 
 
-def test_ledger_is_charged_its_database_twice_plus_a_reserve(ledger: Ledger, tmp_path: Path) -> None:
-    database = (tmp_path / "ledger" / "cache.db").stat().st_size
-    assert ledger.disk_bytes() == 2 * database + LEDGER_RESERVE
+def test_ledger_is_charged_its_files_plus_a_reserve(ledger: Ledger, tmp_path: Path) -> None:
+    folder = tmp_path / "ledger"
+    files = lambda: sum(p.stat().st_size for p in folder.iterdir() if p.name != "ledger.sqlite3-shm")  # noqa: E731
+    assert ledger.disk_bytes() == files() + LEDGER_RESERVE
     publish_all(ledger, [record(i) for i in range(200)])
     ledger.release(ledger.snapshot("t", ttl_s=60).id)  # rewrites every record in one transaction
-    real = sum(p.stat().st_size for p in (tmp_path / "ledger").iterdir())
-    assert real <= ledger.disk_bytes(), "the database and its journal fit in the charge"
-    assert [p.name for p in (tmp_path / "ledger").iterdir()] == ["cache.db"], "no WAL; the journal is gone"
+    real = sum(p.stat().st_size for p in folder.iterdir())
+    assert real <= ledger.disk_bytes(), "the database, its WAL and shared memory fit in the charge"
+    assert (folder / "ledger.sqlite3-wal").stat().st_size <= LEDGER_RESERVE // 2, "checkpoints keep the WAL small"
 
 
 # -- uses, quarantine, daemon state ---------------------------------------------------------------
@@ -509,7 +513,7 @@ def test_daemon_state_round_trip(ledger: Ledger) -> None:
 
 def test_purge_expired_removes_dead_leases(ledger: Ledger) -> None:
     publish_all(ledger, [record(1)])
-    ledger.snapshot("short", ttl_s=0.05)
+    ledger.snapshot("short", ttl_s=0.05, holder=ELSEWHERE)
     keep = ledger.snapshot("long", ttl_s=60)
     wait_for(lambda: len(ledger.leases()) == 1, timeout=10)
     assert ledger.purge_expired() == 1
@@ -517,25 +521,22 @@ def test_purge_expired_removes_dead_leases(ledger: Ledger) -> None:
 
 
 def test_opening_retries_while_the_database_is_locked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_cache = diskcache.Cache
     refusals = []
 
-    def locked_twice(*args: Any, **kwargs: Any) -> diskcache.Cache:
+    def locked_twice(path: Path) -> sqlite3.Connection:
         if len(refusals) < 2:  # as SQLite answers when another process is mid-write
             refusals.append(1)
             raise sqlite3.OperationalError("database is locked")
-        return real_cache(*args, **kwargs)
+        return connect(path)
 
-    monkeypatch.setattr(ledger_module.diskcache, "Cache", locked_twice)
-    ledger = Ledger(tmp_path / "ledger")
+    ledger = Ledger(tmp_path / "ledger", connect=locked_twice)
     assert len(refusals) == 2
     assert ledger.shards() == []
     ledger.close()
 
-    def always_locked(*args: Any, **kwargs: Any) -> diskcache.Cache:
+    def always_locked(path: Path) -> sqlite3.Connection:
         raise sqlite3.OperationalError("database is locked")
 
-    monkeypatch.setattr(ledger_module.diskcache, "Cache", always_locked)
-    monkeypatch.setattr(ledger_module, "OPEN_PATIENCE_S", 0.2)
+    monkeypatch.setattr(ledger_schema, "OPEN_PATIENCE_S", 0.2)
     with pytest.raises(sqlite3.OperationalError, match="locked"):
-        Ledger(tmp_path / "ledger")
+        Ledger(tmp_path / "ledger", connect=always_locked)
