@@ -42,6 +42,7 @@ from typing import Any
 
 import xxhash
 
+from epochcache.errors import LedgerError
 from epochcache.layout import SHARD_SUFFIX
 from epochcache.lease_owner import Owner, this_process
 from epochcache.ledger_records import Lease, Quarantined, ShardRecord, Usage, by_age, take_until
@@ -127,6 +128,14 @@ class Ledger:
         ledger = cls(folder, connect)
         ledger._adopt_files("rebuilt the ledger")
         return ledger
+
+    def intact(self) -> bool:
+        """Whether SQLite finds the database whole (``PRAGMA quick_check``, reads every page)."""
+        try:
+            with self._read() as con:
+                return bool(con.execute("PRAGMA quick_check").fetchone()[0] == "ok")
+        except LedgerError:
+            return False
 
     def _migrate(self, legacy: Path) -> None:
         self._adopt_files(f"migrated the ledger {legacy} (diskcache) to {self.path}")

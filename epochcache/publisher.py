@@ -10,11 +10,13 @@ for ``epochcache status``.
 Invariants: the bytes under the cache dir never exceed ``cache.max_bytes`` (the shard being written
 is reserved before its first byte); a shard under a lease is never deleted; a shard that is not fully
 written is never published and its reservation is released; a full disk (ENOSPC) is waited out with
-growing pauses, never turned into a partial shard.
+growing pauses, never turned into a partial shard; so is a ledger that cannot write
+(:class:`LedgerFullError`): the shard's file is removed, nothing is published.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -25,12 +27,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 
 from epochcache.config import CacheConfig
-from epochcache.errors import BudgetError
+from epochcache.errors import BudgetError, LedgerFullError
 from epochcache.evict import policy_named
 from epochcache.layout import CacheLayout
 from epochcache.ledger import PUBLISH_GROWTH, Chooser, Ledger, ShardRecord
@@ -85,22 +87,43 @@ class Publisher:
             )
         wait = DISK_FULL_FIRST_WAIT_S
         while True:
-            evicted = self._make_room(nbytes)
-            if evicted is None:
-                return None
-            written = self._write(table, meta.id)
-            if written is not None:
-                break
+            try:
+                published = self._try(table, meta, nbytes, cursor)
+            except LedgerFullError as exc:
+                # Like a full disk under a shard: nothing published (the file, if written, is gone), back off.
+                self._say("disk full, backing off", error=str(exc))
+                log.warning("%s; nothing published; backing off", exc)
+                published = False
+            if published is None or isinstance(published, Published):
+                return published
             if self.stop.wait(wait):
                 return None
             wait = min(2 * wait, DISK_FULL_MAX_WAIT_S)
+
+    def _try(
+        self, table: pa.Table, meta: ShardMeta, nbytes: int, cursor: dict[str, Any] | None
+    ) -> Published | Literal[False] | None:
+        """One attempt: room, write, publish. None: stopped (or full without eviction); False: the disk
+        was full (shard file or ledger), nothing published; raises :class:`LedgerFullError` from the ledger."""
+        evicted = self._make_room(nbytes)
+        if evicted is None:
+            return None
+        written = self._write(table, meta.id)
+        if written is None:
+            return False
         checksum, path = written
         record = ShardRecord(
             id=meta.id, filename=path.name, nbytes=nbytes, rows=table.num_rows,
             created=meta.created, checksum=checksum, units=meta.units,
             schema=schema_fingerprint(table.schema), verified=True,  # write_shard checksummed the bytes written
         )
-        self.ledger.publish(record, cursor)
+        try:
+            self.ledger.publish(record, cursor)
+        except LedgerFullError:
+            self.layout.remove(path.name)  # never a file without its record for longer than this
+            with contextlib.suppress(LedgerFullError):  # else the next reservation replaces it at restart
+                self.ledger.clear_reservation()
+            raise
         self._say("running")
         log.debug("published shard %s: %d rows, %d bytes", meta.id, record.rows, nbytes)
         return Published(record, tuple(evicted))
@@ -110,7 +133,8 @@ class Publisher:
         try:
             checksum = write_shard(table, self.layout.tmp_path(shard_id), partial(self.layout.shard_path, shard_id))
         except OSError as exc:
-            self.ledger.clear_reservation()
+            with contextlib.suppress(LedgerFullError):  # the same full disk may refuse this write too
+                self.ledger.clear_reservation()
             if exc.errno != errno.ENOSPC:
                 raise
             self._say("disk full, backing off", error=str(exc))
@@ -145,5 +169,8 @@ class Publisher:
     def _say(self, state: str, **detail: Any) -> None:
         """Record the daemon's state for ``epochcache status`` when it changes."""
         if state != self._state:
+            try:
+                self.ledger.set_daemon_state({"pid": os.getpid(), "state": state, "since": time.time(), **detail})
+            except LedgerFullError:
+                return  # a full disk cannot take the state either; said again once it can
             self._state = state
-            self.ledger.set_daemon_state({"pid": os.getpid(), "state": state, "since": time.time(), **detail})

@@ -8,6 +8,9 @@ unknown files removed, unknown files that are whole shards (their checksum match
 their name, their units are not cached elsewhere) adopted back into the ledger, missing records
 dropped, corrupt shards quarantined. ``reconcile`` is the fix the daemon runs at every start.
 
+Cost is proportional to what changed: the shard folder's listing is joined against the ledger's file
+names (:meth:`Ledger.filenames`), and records or files are read only for the names that disagree.
+
 Flow: (layout, ledger) -> :class:`Repairs` (counts of what was found, and fixed if ``fix``).
 """
 
@@ -16,13 +19,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import astuple, dataclass
-from pathlib import Path
 
 from epochcache.errors import ShardCorruptError
-from epochcache.layout import SHARD_SUFFIX, TMP_SUFFIX, CacheLayout, parse_shard_name
+from epochcache.layout import SHARD_SUFFIX, TMP_SUFFIX, CacheLayout
 from epochcache.ledger import Ledger, ShardRecord
 from epochcache.quarantine import quarantine_shard
-from epochcache.shards import file_checksum, open_shard, read_record_meta, schema_fingerprint, verify_shard
+from epochcache.shard_files import whole_shard
+from epochcache.shards import verify_shard
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +108,16 @@ def check(
 
 
 def _scan(layout: CacheLayout, ledger: Ledger) -> _Findings:
-    records = {record.filename: record.id for record in ledger.shards()}
+    recorded = ledger.filenames()
     quarantined = {entry.record.filename: entry.record.id for entry in ledger.quarantined()}
     names = {path.name for path in layout.shards.iterdir()}
     in_quarantine = {path.name for path in layout.quarantine.iterdir()}
+    gone = recorded - names
     return _Findings(
         temp=frozenset(n for n in names if n.endswith(TMP_SUFFIX)),
-        unknown=frozenset(n for n in names if n.endswith(SHARD_SUFFIX) and n not in records),
-        missing=frozenset(sid for name, sid in records.items() if name not in names),
+        unknown=frozenset(n for n in names if n.endswith(SHARD_SUFFIX) and n not in recorded),
+        # Records are read only when some file is gone (something is wrong), to name their ids.
+        missing=frozenset(r.id for r in ledger.shards() if r.filename in gone) if gone else frozenset(),
         stray_quarantine=frozenset(in_quarantine - quarantined.keys()),
         lost_quarantine=frozenset(sid for name, sid in quarantined.items() if name not in in_quarantine),
     )
@@ -120,34 +125,14 @@ def _scan(layout: CacheLayout, ledger: Ledger) -> _Findings:
 
 def _adoptable(layout: CacheLayout, ledger: Ledger, unknown: frozenset[str]) -> list[ShardRecord]:
     """Records for the unknown files that are whole shards holding no unit cached elsewhere."""
-    cached = {unit for record in ledger.shards() for unit in record.units}
+    taken: set[str] = set()
     out = []
     for name in sorted(unknown):
-        record = _whole_shard(layout.shards / name)
-        if record is not None and cached.isdisjoint(record.units):
-            cached.update(record.units)
+        record = whole_shard(layout.shards / name)
+        if record is not None and taken.isdisjoint(record.units) and not ledger.cached_units(record.units):
+            taken.update(record.units)
             out.append(record)
     return out
-
-
-def _whole_shard(path: Path) -> ShardRecord | None:
-    """The record of a shard file whose bytes match the checksum in its name; None if not one."""
-    parsed = parse_shard_name(path.name)
-    if parsed is None:
-        return None
-    shard_id, checksum = parsed
-    try:
-        if file_checksum(path) != checksum:
-            return None
-        meta, rows = read_record_meta(path)
-        schema = schema_fingerprint(open_shard(path).schema)
-        nbytes = path.stat().st_size
-    except (ShardCorruptError, FileNotFoundError):
-        return None
-    if meta.id != shard_id:
-        return None
-    return ShardRecord(id=shard_id, filename=path.name, nbytes=nbytes, rows=rows, created=meta.created,
-                       checksum=checksum, units=meta.units, schema=schema, verified=True)
 
 
 def _corrupt(layout: CacheLayout, ledger: Ledger) -> list[tuple[ShardRecord, str]]:
