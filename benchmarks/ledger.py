@@ -1,0 +1,104 @@
+"""Ledger cost per operation against cache size: records only (no shard files).
+
+Usage: python benchmarks/ledger.py [--sizes 1000,10000,100000] [--out ledger.json]
+
+For each size, a fresh ledger gets that many shard records (bulk ``adopt``), then each operation is
+timed (wall and CPU, mean of a few repeats): publish without eviction, publish with an eviction
+(make_room over budget, fifo), snapshot + lease of the whole cache, renew, release, status-like reads
+(usage + newest 20 + lease counts), daemon start (open + the reconcile join: filenames() against a
+listing). Prints a table with the growth from the smallest to the largest size, and bytes per shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from epochcache.evict import Fifo
+from epochcache.ledger import Ledger, ShardRecord
+from epochcache.ledger_schema import DB_NAME
+
+BATCH = 10_000
+
+
+def rec(i: int, nbytes: int = 1000) -> ShardRecord:
+    return ShardRecord(id=f"{i:012x}-{i % 99999999:08x}", filename=f"{i:012x}-{i % 99999999:08x}.{i:032x}.arrow",
+                       nbytes=nbytes, rows=10, created=float(i), checksum=f"{i:032x}", units=(f"o{i}#0",),
+                       schema="0123456789abcdef")
+
+
+def timed(fn: Callable[[], object], repeat: int = 5) -> tuple[float, float]:
+    wall = cpu = 0.0
+    for _ in range(repeat):
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        wall += time.perf_counter() - w
+        cpu += time.process_time() - c
+    return wall / repeat * 1000, cpu / repeat * 1000
+
+
+def measure(n: int) -> dict[str, object]:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "ledger"
+        ledger = Ledger(folder)
+        for start in range(0, n, BATCH):
+            ledger.adopt([rec(i) for i in range(start, min(n, start + BATCH))])
+        per_shard = (folder / DB_NAME).stat().st_size / n
+        counter = [n]
+
+        def publish() -> None:
+            counter[0] += 1
+            ledger.make_room(1000, budget=10**15, choose=Fifo())
+            ledger.publish(rec(counter[0]))
+
+        def publish_evicting() -> None:
+            counter[0] += 1
+            usage = ledger.usage()
+            ledger.make_room(1000, budget=usage.total - usage.ledger_bytes + ledger.disk_bytes(), choose=Fifo())
+            ledger.publish(rec(counter[0]))
+
+        out: dict[str, object] = {"shards": n, "bytes_per_shard": round(per_shard, 1)}
+        out["publish"] = timed(publish)
+        out["publish+evict"] = timed(publish_evicting)
+        leases: list[str] = []
+        out["snapshot"] = timed(lambda: leases.append(ledger.snapshot("bench", 60).id), repeat=2)
+        out["renew"] = timed(lambda: ledger.renew(leases[0], 60))
+        out["release"] = timed(lambda: ledger.release(leases.pop()), repeat=2)
+        out["status"] = timed(lambda: (ledger.usage(), ledger.newest(20), ledger.leases(with_shards=False)))
+        ledger.close()
+        listing = {rec(i).filename for i in range(n)}
+
+        def start() -> None:
+            opened = Ledger(folder)
+            assert opened.filenames() - listing is not None
+            opened.close()
+
+        out["start"] = timed(start, repeat=2)
+        return out
+
+
+OPS = ["publish", "publish+evict", "snapshot", "renew", "release", "status", "start"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="1000,10000,100000")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    results = [measure(int(s)) for s in args.sizes.split(",")]
+    print(f"{'op (ms wall/cpu)':<18}" + "".join(f"{r['shards']:>20}" for r in results) + f"{'growth':>10}")
+    for op in OPS:
+        cells = "".join(f"{r[op][0]:>12.2f}/{r[op][1]:<7.2f}" for r in results)  # type: ignore[index]
+        growth = results[-1][op][0] / max(results[0][op][0], 1e-9)  # type: ignore[index]
+        print(f"{op:<18}{cells}{growth:>9.2f}x")
+    print(f"{'bytes/shard':<18}" + "".join(f"{r['bytes_per_shard']:>20}" for r in results))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
