@@ -62,8 +62,8 @@ __all__ = ["LEDGER_RESERVE", "OPEN_PATIENCE_S", "PUBLISH_GROWTH", "Chooser", "Le
 
 log = logging.getLogger(__name__)
 
-# The ledger is charged its database, its WAL and this reserve: the WAL's growth between two
-# checkpoints (32 pages, see ledger_schema.connect) and its shared-memory index, with room to spare.
+# The ledger is charged twice its database plus this reserve: the WAL's shared-memory index and its
+# growth between two checkpoints (32 pages, see ledger_schema.connect), with room to spare.
 LEDGER_RESERVE = 256 * 1024
 # Each reservation also leaves room for the database's growth by the publish that follows (a record,
 # its units and counters: a few pages), so the charge stays within the budget after the publish.
@@ -292,14 +292,13 @@ class Ledger:
                      rows=rows, leases=leases, quarantined_bytes=quarantined)
 
     def disk_bytes(self) -> int:
-        """Bytes charged to the ledger: its database and WAL files plus :data:`LEDGER_RESERVE`."""
-        total = LEDGER_RESERVE
-        for name in (DB_NAME, DB_NAME + "-wal"):
-            try:
-                total += os.stat(self._dir / name).st_size
-            except FileNotFoundError:
-                continue
-        return total
+        """Bytes charged to the ledger: twice its database (a transaction that rewrites every record, a
+        snapshot, puts as much in the WAL) plus :data:`LEDGER_RESERVE`. Charged whether or not the WAL
+        is there now, so a closed ledger (WAL removed) never looks like free room."""
+        try:
+            return 2 * os.stat(self.path).st_size + LEDGER_RESERVE
+        except FileNotFoundError:
+            return LEDGER_RESERVE
 
     def make_room(
         self, nbytes: int, budget: int, choose: Chooser, evict_to: int | None = None
