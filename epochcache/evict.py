@@ -126,8 +126,10 @@ class MaxUses:
         inner = getattr(self.policy, "stages", None)
         if inner is None:
             return None
-        worn = [(f"uses >= {int(self.max_uses)}", "created, id")]
-        return worn + [(f"uses < {int(self.max_uses)} AND ({where})", order) for where, order in inner()]
+        # ``+uses``: a filter, not an index bound, so each stage walks its policy's order index
+        # (the uses index would make SQLite sort every match before the first victim).
+        worn = [(f"+uses >= {int(self.max_uses)}", "created, id")]
+        return worn + [(f"+uses < {int(self.max_uses)} AND ({where})", order) for where, order in inner()]
 
     def label(self, victim: ShardRecord) -> str:
         return "max_uses" if victim.uses >= self.max_uses else self.policy.label(victim)
