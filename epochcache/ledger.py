@@ -124,14 +124,12 @@ class Ledger:
 
     @classmethod
     def rebuild(cls, directory: str | Path, connect: Connect = connect) -> Ledger:
-        """A new ledger built from the shard files next to ``directory``, the old database (damaged, or
-        of another version) set aside as ``ledger.sqlite3.damaged``. Hold the cache's lock."""
+        """A new ledger built from the shard files next to ``directory``; the old database (damaged, or
+        of another version) is deleted: its bytes are not charged to the budget, and every shard's
+        record is in its file. Hold the cache's lock."""
         folder = Path(directory)
-        damaged = folder / DB_NAME
-        if damaged.exists():
-            damaged.replace(folder / (DB_NAME + ".damaged"))
-        for suffix in ("-wal", "-shm"):
-            (folder / (DB_NAME + suffix)).unlink(missing_ok=True)
+        for name in (DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", LEGACY_DB_NAME):
+            (folder / name).unlink(missing_ok=True)
         ledger = cls(folder, connect)
         ledger._adopt_files("rebuilt the ledger")
         return ledger
@@ -146,8 +144,7 @@ class Ledger:
 
     def _migrate(self, legacy: Path) -> None:
         self._adopt_files(f"migrated the ledger {legacy} (diskcache) to {self.path}")
-        legacy.unlink()
-        for name in ("cache.db-journal", "cache.db-wal", "cache.db-shm"):
+        for name in (LEGACY_DB_NAME, "cache.db-journal", "cache.db-wal", "cache.db-shm"):
             (self._dir / name).unlink(missing_ok=True)
 
     def _adopt_files(self, what: str) -> None:
