@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import make_table, wait_for
@@ -99,11 +100,11 @@ class _FullDisk(sqlite3.Connection):
 
     fail = 0
 
-    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:  # type: ignore[override]
+    def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
         if sql == "BEGIN IMMEDIATE" and _FullDisk.fail > 0:
             _FullDisk.fail -= 1
             raise sqlite3.OperationalError("database or disk is full")
-        return super().execute(sql, *args)
+        return super().execute(sql, parameters)
 
 
 def _full_disk_connect(path: Path) -> sqlite3.Connection:
@@ -134,8 +135,8 @@ def test_ledger_enospc_is_ledger_full_and_reads_go_on(layout: CacheLayout, full_
 
 def test_publisher_backs_off_on_ledger_enospc(layout: CacheLayout, full_disk_ledger: Ledger) -> None:
     stop = threading.Event()
-    publisher = Publisher(layout, full_disk_ledger, CacheConfig(dir=str(layout.root), max_bytes="10MB",
-                                                                 shard_bytes="1MB"), stop)
+    cache = CacheConfig.model_validate({"dir": str(layout.root), "max_bytes": "10MB", "shard_bytes": "1MB"})
+    publisher = Publisher(layout, full_disk_ledger, cache, stop)
     _FullDisk.fail = 1  # the reservation's transaction hits the full disk, then space is back
     published = publisher.publish(make_table(5), ["obj.parquet#0"], {"pass_": 0})
     assert published is not None and full_disk_ledger.shards() == [published.record]
