@@ -520,7 +520,7 @@ def test_purge_expired_removes_dead_leases(ledger: Ledger) -> None:
 
 
 def test_opening_retries_while_the_database_is_locked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    refusals = []
+    refusals: list[int] = []
 
     def locked_twice(path: Path) -> sqlite3.Connection:
         if len(refusals) < 2:  # as SQLite answers when another process is mid-write
