@@ -3,8 +3,10 @@
 Flow: ``Retrier.call(fn, what)`` runs ``fn``; a transient failure (:func:`is_transient`: 5xx,
 SlowDown/503, timeouts, connection resets, truncated bodies) is retried after a random wait in
 ``[0, min(backoff_max_s, backoff_s * 2**attempt)]`` (full jitter, AWS's recommendation) up to
-``max_attempts`` in all; a permanent one (no such bucket or key, access denied, a malformed file)
-is raised at once. Each retry and each give-up is counted through ``count(name)``.
+``max_attempts`` in all, and so is a :class:`CorruptObjectError` (a checksum mismatch may be a bit
+flipped in transit), re-raised as itself after the last attempt; a permanent one (no such bucket
+or key, access denied, no credentials) is raised at once.
+Each retry and each give-up is counted through ``count(name)``.
 
 Invariant: attempts are counted only here. The S3 client's own retry layers (s3fs's loop and
 botocore's) are turned off by :func:`single_attempt_options`, so the counts in the ledger are the
@@ -21,7 +23,7 @@ from typing import Any, TypeVar
 
 import tenacity
 
-from epochcache.errors import FetchFailedError, SourceError
+from epochcache.errors import CorruptObjectError, FetchFailedError, SourceError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,10 @@ class TruncatedReadError(OSError):
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True for failures another attempt may cure; False for permanent ones (and our own errors)."""
+    """True for failures another attempt may cure; False for permanent ones (and our own errors but
+    :class:`CorruptObjectError`: bytes damaged in transit read right the next time)."""
+    if isinstance(exc, CorruptObjectError):
+        return True
     if isinstance(exc, (SourceError, FileNotFoundError, PermissionError, IsADirectoryError)):
         return False
     if isinstance(exc, (TimeoutError, ConnectionError, TruncatedReadError)):
@@ -89,13 +94,17 @@ class Retrier:
 
     def call(self, fn: Callable[..., T], *args: Any, what: str) -> T:
         """``fn(*args)``, retried on transient failures. ``what`` names the read (a URL and range) in
-        messages. Raises :class:`FetchFailedError` once attempts run out, a permanent error at once."""
+        messages. Raises :class:`FetchFailedError` once attempts run out (the last
+        :class:`CorruptObjectError` itself when that is what kept failing: the unit is then skipped
+        with its reason), a permanent error at once."""
         try:
             return self._retrying(fn, *args)
         except Exception as exc:
             if not is_transient(exc):
                 raise
             self._count("give_ups")
+            if isinstance(exc, CorruptObjectError):
+                raise
             raise FetchFailedError(f"{what}: still failing after retries: {describe(exc)}") from exc
 
     def _sleep(self, seconds: float) -> None:

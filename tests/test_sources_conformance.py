@@ -24,8 +24,8 @@ import pytest
 from conftest import make_table
 
 from epochcache.config import SourceConfig
-from epochcache.errors import ObjectMissingError, SourceError
-from epochcache.sources import KEY_COLUMN, Source, open_source
+from epochcache.errors import CorruptObjectError, ObjectMissingError, SourceError
+from epochcache.sources import KEY_COLUMN, RemoteObject, Source, open_source
 
 OBJECTS, UNITS_PER_FILE, ROWS_PER_UNIT = 3, 4, 40
 
@@ -91,17 +91,16 @@ FORMATS = [
 
 
 class CallCounter:
-    """Wraps ``cat_file``: counts the requests and the bytes asked for; behaviour unchanged."""
+    """Wraps ``RemoteFiles._read`` (every request of a source goes through it): counts the requests
+    and the bytes asked for; behaviour unchanged."""
 
     def __init__(self, inner: Callable[..., bytes]) -> None:
         self.inner, self.calls, self.requested = inner, 0, 0
 
-    def __call__(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
-        if start is None or end is None:
-            raise AssertionError(f"an unranged read of {path}")
+    def __call__(self, obj: RemoteObject, start: int, end: int, whole: bool) -> bytes:
         self.calls += 1
         self.requested += end - start
-        return self.inner(path, start=start, end=end, **kwargs)
+        return self.inner(obj, start, end, whole)
 
 
 @pytest.fixture(params=FORMATS, ids=lambda f: f.name)
@@ -188,8 +187,8 @@ def test_reads_are_few_ranged_gets(
 ) -> None:
     source = _source(fmt, dataset)
     obj = source.list_objects()[0]
-    counter = CallCounter(source._remote.fs.cat_file)  # type: ignore[attr-defined]
-    monkeypatch.setattr(source._remote.fs, "cat_file", counter)  # type: ignore[attr-defined]
+    counter = CallCounter(source._remote._read)  # type: ignore[attr-defined]
+    monkeypatch.setattr(source._remote, "_read", counter)  # type: ignore[attr-defined]
     units = source.units(obj)
     assert counter.calls <= 2, "metadata: at most one tail read and a second for a large footer"
     before = counter.calls, counter.requested
@@ -208,14 +207,14 @@ def test_a_missing_object_is_object_missing(fmt: Format, dataset: tuple[Any, str
         source.read(source.units(obj)[0])
 
 
-def test_a_corrupt_file_is_a_source_error_naming_it(fmt: Format, dataset: tuple[Any, str, dict[str, Any]]) -> None:
+def test_a_corrupt_file_is_a_corrupt_object_naming_it(fmt: Format, dataset: tuple[Any, str, dict[str, Any]]) -> None:
     if fmt.suffix is None:
         pytest.skip("any bytes are a valid sample when each object is one")
     fs, root, _ = dataset
     fs.pipe(f"{root}/zz-broken{fmt.suffix}", b"garbage" * 20)
     source = _source(fmt, dataset)
     broken = source.list_objects()[-1]
-    with pytest.raises(SourceError, match="zz-broken"):
+    with pytest.raises(CorruptObjectError, match="zz-broken"):
         source.read(source.units(broken)[0])
 
 

@@ -24,7 +24,7 @@ import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from epochcache.errors import SourceError
+from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
 from epochcache.sources.remote import FileSource
 
@@ -66,7 +66,12 @@ class ObjectSource(FileSource):
         return [Unit(obj, 0, 1, 0, obj.size)]
 
     def read(self, unit: Unit) -> pa.Table:
-        data = self._remote.fetch(unit.obj.path, 0, unit.obj.size)
+        """The object as one sample; one over ``max_sample_bytes`` raises :class:`CorruptObjectError`
+        before any byte is fetched."""
+        if unit.obj.size > self.max_sample_bytes:
+            raise CorruptObjectError(f"{unit.obj.path} is {unit.obj.size} bytes, over sampler.max_sample_bytes="
+                                     f"{self.max_sample_bytes}: raise it if such samples are wanted")
+        data = self._remote.fetch_whole(unit.obj)
         table = pa.table({"data": pa.array([data], pa.binary())})
         if self._labels_from == LABELS_FROM_FOLDER:
             folder = posixpath.basename(posixpath.dirname(unit.obj.path))

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.parquet import AlreadyBufferedFile
 
-from epochcache.errors import SourceError
+from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
 from epochcache.sources.remote import FileSource
 
@@ -54,11 +54,22 @@ class ParquetSource(FileSource):
         return units
 
     def read(self, unit: Unit) -> pa.Table:
+        """The row group's rows; a damaged page (a CRC mismatch where the file has page checksums, a
+        decompression or decoding failure) raises :class:`CorruptObjectError` naming the unit."""
         metadata = self._metadata(unit.obj)
-        parts = {(start, end): self._fetch(unit.obj.path, start, end)
+        parts = {(start, end): self._remote.fetch(unit.obj, start, end)
                  for start, end in self._byte_ranges(metadata, unit.index)}
         f = _buffered(unit.obj.path, unit.obj.size, parts)
-        table = pq.ParquetFile(f, metadata=metadata).read_row_group(unit.index, columns=self.columns)
+        try:
+            # pre_buffer/use_threads off: the bytes are in memory already, and no pyarrow I/O or CPU
+            # pool thread may outlive the read (one alive at interpreter exit aborts it: exit 134)
+            reader = pq.ParquetFile(f, metadata=metadata, pre_buffer=False, page_checksum_verification=True)
+            table = reader.read_row_group(unit.index, columns=self.columns, use_threads=False)
+        except (pa.ArrowInvalid, OSError, ValueError, IndexError) as exc:
+            # the footer may be what is damaged (it has no checksum): read it afresh on the retry
+            self._metadata.cache_clear()
+            raise CorruptObjectError(f"{unit.obj.path} row group {unit.index} ({unit.key}) is unreadable: "
+                                     f"{' '.join(str(exc).split())}") from exc
         first = sum(metadata.row_group(i).num_rows for i in range(unit.index))
         rows = pa.array(np.arange(first, first + table.num_rows, dtype=np.int64))
         keys = pc.binary_join_element_wise(f"{unit.obj.path}:", pc.cast(rows, pa.string()), "")
@@ -66,19 +77,21 @@ class ParquetSource(FileSource):
 
     def _read_metadata(self, obj: RemoteObject) -> pq.FileMetaData:
         tail_start = max(0, obj.size - _TAIL_BYTES)
-        tail = self._fetch(obj.path, tail_start, obj.size)
+        tail = self._remote.fetch(obj, tail_start, obj.size)
         if len(tail) < 8 or tail[-4:] != b"PAR1":
-            raise SourceError(f"{obj.path} is not a Parquet file (no PAR1 magic at its end)")
+            raise CorruptObjectError(f"{obj.path} is not a Parquet file (no PAR1 magic at its end)")
         needed = int.from_bytes(tail[-8:-4], "little") + 8
         if needed > obj.size:
-            raise SourceError(f"{obj.path} is not a Parquet file (its footer length {needed} exceeds its size)")
+            raise CorruptObjectError(f"{obj.path} is not a Parquet file (its footer length {needed} exceeds "
+                                     "its size)")
         if needed > len(tail):
             tail_start = obj.size - needed
-            tail = self._fetch(obj.path, tail_start, obj.size)
+            tail = self._remote.fetch(obj, tail_start, obj.size)
         try:
             metadata = pq.read_metadata(_buffered(obj.path, obj.size, {(tail_start, obj.size): tail}))
-        except (pa.ArrowInvalid, OSError, ValueError) as exc:
-            raise SourceError(f"{obj.path}: unreadable Parquet footer: {exc}") from exc
+            _check_layout(obj, metadata)
+        except (pa.ArrowInvalid, OSError, ValueError, IndexError) as exc:
+            raise CorruptObjectError(f"{obj.path}: unreadable Parquet footer: {' '.join(str(exc).split())}") from exc
         self._check_columns(obj.path, metadata)
         return metadata
 
@@ -112,8 +125,21 @@ class ParquetSource(FileSource):
                 runs.append((start, end))
         return runs
 
-    def _fetch(self, path: str, start: int, end: int) -> bytes:
-        return self._remote.fetch(path, start, end)
+
+
+def _check_layout(obj: RemoteObject, metadata: pq.FileMetaData) -> None:
+    """Every column chunk the footer names lies inside the file: a footer that decodes but points
+    elsewhere (damaged) is refused before any data is read by it."""
+    for index in range(metadata.num_row_groups):
+        group = metadata.row_group(index)
+        for leaf in range(group.num_columns):
+            chunk = group.column(leaf)
+            start = chunk.data_page_offset
+            if chunk.has_dictionary_page and chunk.dictionary_page_offset:
+                start = min(start, chunk.dictionary_page_offset)
+            if start < 0 or chunk.total_compressed_size < 0 or start + chunk.total_compressed_size > obj.size:
+                raise ValueError(f"row group {index} column {leaf} spans bytes {start}+"
+                                 f"{chunk.total_compressed_size}, beyond the file's {obj.size}")
 
 
 def _buffered(path: str, size: int, parts: dict[tuple[int, int], bytes]) -> AlreadyBufferedFile:

@@ -1,0 +1,189 @@
+"""Hostile objects, one format failure each: every one is a one-line CorruptObjectError naming the
+object, never a traceback from deep in pyarrow or tarfile, never a huge allocation, never wrong rows.
+Also the Retrier's handling of CorruptObjectError, pinned reads and configuration errors."""
+
+from __future__ import annotations
+
+import io
+import resource
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import make_table
+
+from epochcache.errors import CorruptObjectError, FetchFailedError, ObjectMissingError
+from epochcache.retry import Retrier
+from epochcache.sources import ArrowSource, ObjectSource, ParquetSource, WebDatasetSource
+
+
+def _tar(members: list[tuple[str, bytes]]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name, payload in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    return buffer.getvalue()
+
+
+GOOD_TAR = _tar([(f"s/{i:03d}.{field}", bytes([i]) * 600) for i in range(4) for field in ("a", "b")])
+
+
+def _read_tar(tmp_path: Path, data: bytes, max_sample_bytes: int = 2**20) -> pa.Table:
+    path = tmp_path / "remote" / "shard.tar"
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(data)
+    source = WebDatasetSource(str(path.parent), max_sample_bytes=max_sample_bytes)
+    (obj,) = source.list_objects()
+    return source.read(source.units(obj)[0])
+
+
+def _sparse_tar(declared: int) -> bytes:
+    """A GNU sparse member declaring ``declared`` bytes of which none are stored (one empty region)."""
+    header = bytearray(tarfile.TarInfo("s/000.a").tobuf(tarfile.GNU_FORMAT))
+    header[156] = ord("S")  # typeflag GNUTYPE_SPARSE
+    # realsize (offset 483, 12 octal bytes) and one sparse entry (offset 386: offset 0, numbytes 0)
+    header[483:495] = f"{declared:011o}\0".encode()
+    header[386:398] = b"00000000000\0"
+    header[398:410] = b"00000000000\0"
+    header[148:156] = b"        "
+    header[148:156] = f"{sum(header):06o}\0 ".encode()
+    return bytes(header) + b"\0" * 10240
+
+
+def test_a_good_tar_reads(tmp_path: Path) -> None:
+    table = _read_tar(tmp_path, GOOD_TAR)
+    assert table.num_rows == 4 and table.column("a").to_pylist()[2] == bytes([2]) * 600
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bad-checksum", "garbage-tail"])
+def test_a_damaged_tar_is_corrupt_not_fewer_rows(tmp_path: Path, damage: str) -> None:
+    data = bytearray(GOOD_TAR)
+    second = 512 + 1024  # header of the second member: after the first header and its 600 bytes padded
+    if damage == "truncated":
+        data = data[: second + 512 + 100]
+    elif damage == "bad-checksum":
+        data[second + 10] ^= 0x20  # a name byte: the header checksum no longer matches
+    else:
+        data = data[: len(GOOD_TAR) - 10240] + b"x" * 10240  # no end-of-archive zero blocks
+    with pytest.raises(CorruptObjectError, match="shard.tar"):
+        _read_tar(tmp_path, bytes(data))
+
+
+def test_a_member_over_max_sample_bytes_is_corrupt(tmp_path: Path) -> None:
+    with pytest.raises(CorruptObjectError, match="over sampler.max_sample_bytes=500"):
+        _read_tar(tmp_path, GOOD_TAR, max_sample_bytes=500)
+
+
+def test_a_sparse_tar_declaring_a_gib_allocates_nothing(tmp_path: Path) -> None:
+    data = _sparse_tar(2**30)
+    assert len(data) < 12_000
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CorruptObjectError, match="sparse"):
+        _read_tar(tmp_path, data)
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 100_000, f"peak RSS grew by {grown_kib} KiB reading a 10 KB tar"
+
+
+def test_an_object_over_max_sample_bytes_is_corrupt_unfetched(tmp_path: Path) -> None:
+    (tmp_path / "cls").mkdir()
+    (tmp_path / "cls" / "big.bin").write_bytes(b"x" * 1000)
+    source = ObjectSource(str(tmp_path), max_sample_bytes=999)
+    (obj,) = source.list_objects()
+    with pytest.raises(CorruptObjectError, match="big.bin is 1000 bytes, over sampler.max_sample_bytes=999"):
+        source.read(source.units(obj)[0])
+
+
+def _parquet(path: Path, checksums: bool = True) -> bytes:
+    pq.write_table(make_table(64), path, row_group_size=32, compression="snappy", write_page_checksum=checksums)
+    return path.read_bytes()
+
+
+def test_a_corrupt_parquet_page_is_corrupt_object_naming_the_unit(tmp_path: Path) -> None:
+    path = tmp_path / "part.parquet"
+    data = bytearray(_parquet(path))
+    chunk = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    data[chunk.data_page_offset + chunk.total_compressed_size // 2] ^= 0xFF
+    path.write_bytes(data)
+    source = ParquetSource(str(path))
+    (obj,) = source.list_objects()
+    units = source.units(obj)
+    with pytest.raises(CorruptObjectError, match=r"part.parquet row group 1 \(.*#1\)") as info:
+        source.read(units[1])
+    assert "\n" not in str(info.value)
+
+
+def test_page_crcs_catch_a_flip_snappy_does_not(tmp_path: Path) -> None:
+    """A flipped byte in an uncompressed page decodes to wrong values without page CRCs; with them
+    (page_checksum_verification) the read is refused."""
+    path = tmp_path / "part.parquet"
+    pq.write_table(make_table(64), path, row_group_size=64, compression="none", write_page_checksum=True)
+    data = bytearray(path.read_bytes())
+    chunk = pq.ParquetFile(path).metadata.row_group(0).column(1)  # the int64 ids
+    data[chunk.data_page_offset + chunk.total_compressed_size - 8] ^= 0x01
+    path.write_bytes(data)
+    source = ParquetSource(str(path))
+    (obj,) = source.list_objects()
+    with pytest.raises(CorruptObjectError, match="part.parquet"):
+        source.read(source.units(obj)[0])
+
+
+def test_a_damaged_arrow_batch_is_corrupt_object(tmp_path: Path) -> None:
+    path = tmp_path / "part.arrow"
+    table = pa.table({"name": pa.array([f"row-{i}" for i in range(100)])})
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, table.schema) as writer:
+        writer.write_table(table)
+    data = bytearray(path.read_bytes())
+    data[400:480] = b"\xff" * 80  # inside the batch: its offsets now point far outside the data
+    path.write_bytes(data)
+    source = ArrowSource(str(path))
+    (obj,) = source.list_objects()
+    (unit,) = source.units(obj)
+    with pytest.raises(CorruptObjectError, match="part.arrow: record batch 0"):
+        source.read(unit)
+
+
+def test_the_retrier_retries_corrupt_objects_then_reraises_the_last() -> None:
+    counts: dict[str, int] = {}
+    calls: list[int] = []
+
+    def read() -> Any:
+        calls.append(1)
+        raise CorruptObjectError(f"bad bytes, attempt {len(calls)}")
+
+    retrier = Retrier(3, 0.0, 0.0, lambda name: counts.__setitem__(name, counts.get(name, 0) + 1))
+    with pytest.raises(CorruptObjectError, match="attempt 3"):
+        retrier.call(read, what="x")
+    assert len(calls) == 3 and counts == {"retries": 2, "give_ups": 1}
+
+
+def test_a_corrupt_object_that_heals_on_retry_is_read() -> None:
+    calls: list[int] = []
+
+    def read() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise CorruptObjectError("flipped in transit")
+        return "rows"
+
+    assert Retrier(3, 0.0, 0.0, lambda name: None).call(read, what="x") == "rows"
+    with pytest.raises(FetchFailedError):
+        Retrier(2, 0.0, 0.0, lambda name: None).call(_reset, what="x")
+
+
+def _reset() -> None:
+    raise ConnectionResetError("reset by peer")
+
+
+def test_a_local_object_rewritten_after_listing_is_never_cut(tmp_path: Path) -> None:
+    path = tmp_path / "shard.tar"
+    path.write_bytes(GOOD_TAR)
+    source = WebDatasetSource(str(tmp_path))
+    (obj,) = source.list_objects()
+    path.write_bytes(_tar([("s/000.a", b"new" * 5000)]))
+    with pytest.raises(ObjectMissingError, match="changed since it was listed"):
+        source.read(source.units(obj)[0])
