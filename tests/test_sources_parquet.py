@@ -13,7 +13,6 @@ import pyarrow.parquet as pq
 import pytest
 import s3fs
 from conftest import make_table, write_parquet_dataset
-
 from pydantic import ValidationError
 
 from epochcache.config import SourceConfig

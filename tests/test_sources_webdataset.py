@@ -12,7 +12,7 @@ import pytest
 from conftest import UnitLog
 
 from epochcache.config import SourceConfig
-from epochcache.errors import CorruptObjectError, ObjectMissingError, SourceError
+from epochcache.errors import CorruptObjectError, ObjectMissingError
 from epochcache.sources import KEY_COLUMN, open_source
 
 SHARDS, SAMPLES = 3, 5
