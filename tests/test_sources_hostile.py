@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import make_table
 
-from epochcache.errors import CorruptObjectError, FetchFailedError, ObjectMissingError
+from epochcache.errors import CorruptObjectError, FetchFailedError, ObjectMissingError, SourceError
 from epochcache.retry import Retrier
 from epochcache.sources import ArrowSource, ObjectSource, ParquetSource, WebDatasetSource
 
@@ -187,3 +187,55 @@ def test_a_local_object_rewritten_after_listing_is_never_cut(tmp_path: Path) -> 
     path.write_bytes(_tar([("s/000.a", b"new" * 5000)]))
     with pytest.raises(ObjectMissingError, match="changed since it was listed"):
         source.read(source.units(obj)[0])
+
+
+def _s3_source(cls: type, s3: Any, bucket: str, s3_options: dict[str, Any], name: str, data: bytes) -> Any:
+    s3.pipe(f"{bucket}/pin/{name}", data)
+    return cls(f"s3://{bucket}/pin", storage_options=s3_options)
+
+
+@pytest.mark.parametrize("cls, name", [(ParquetSource, "part.parquet"), (WebDatasetSource, "shard.tar")])
+def test_an_s3_object_rewritten_after_listing_is_never_cut(
+    tmp_path: Path, s3: Any, bucket: str, s3_options: dict[str, Any], cls: type, name: str
+) -> None:
+    """The listing's ETag pins every read (If-Match): the rewritten, larger object is not read up to
+    its stale size, whether ranged (Parquet) or whole (tar)."""
+    original = _parquet(tmp_path / "a.parquet") if cls is ParquetSource else GOOD_TAR
+    source = _s3_source(cls, s3, bucket, s3_options, name, original)
+    (obj,) = source.list_objects()
+    assert obj.etag and obj.size == len(original)
+    units = source.units(obj)
+    s3.pipe(f"{bucket}/pin/{name}", original + original)
+    with pytest.raises(ObjectMissingError, match=f"{name} changed since it was listed"):
+        source.read(units[0])
+    (again,) = cls(f"s3://{bucket}/pin", storage_options=s3_options).list_objects()
+    assert again.size == 2 * len(original) and again.etag != obj.etag, "the next pass's listing sees it"
+
+
+def test_a_read_is_pinned_to_the_listed_etag(s3: Any, bucket: str, s3_options: dict[str, Any]) -> None:
+    source = _s3_source(WebDatasetSource, s3, bucket, s3_options, "shard.tar", GOOD_TAR)
+    (obj,) = source.list_objects()
+    assert source.read(source.units(obj)[0]).num_rows == 4
+    # a listing that saw another version of the same size: the read refuses today's bytes
+    lying = type(obj)(obj.path, obj.size, '"' + "0" * 32 + '"')
+    with pytest.raises(ObjectMissingError, match="ETag no longer matches"):
+        source.read(source.units(lying)[0])
+
+
+def test_no_credentials_is_one_line_source_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, s3_endpoint: str
+) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    source = ParquetSource("s3://some-bucket/data", storage_options={"client_kwargs": {"endpoint_url": s3_endpoint}})
+    with pytest.raises(SourceError, match=r"cannot list s3://some-bucket/data: NoCredentialsError.*give credentials"):
+        source.list_objects()
+
+
+def test_no_such_bucket_is_source_error(s3_options: dict[str, Any]) -> None:
+    source = ParquetSource("s3://no-such-bucket-here/data", storage_options=s3_options)
+    with pytest.raises(SourceError, match="cannot list s3://no-such-bucket-here/data"):
+        source.list_objects()
