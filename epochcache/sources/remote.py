@@ -20,6 +20,12 @@ Pinning (invariant: bytes of one read all come from the version the listing saw)
   each read.
 - Other filesystems: the etag is recorded when their listing has one, but reads are not pinned;
   whole-object reads still ask one byte past the listed size, so growth is seen.
+
+Checks against damage in transit: whole objects by their MD5 ETag or store checksum (above);
+metadata that formats leave unguarded (footers) by reading it twice over a network
+(:meth:`RemoteFiles.fetch_metadata`); data pages by the format's own checksums (Parquet page CRCs).
+Ranged data reads of a format without checksums (Arrow IPC, Parquet written without page CRCs)
+cannot be verified: the store offers no checksum of a byte range.
 """
 
 from __future__ import annotations
@@ -161,6 +167,16 @@ class RemoteFiles:
         data = self._read(obj, start, end, whole=False)
         if len(data) != end - start:
             raise TruncatedReadError(f"{self._url(obj.path)} bytes {start}-{end}: got {len(data)} bytes")
+        return data
+
+    def fetch_metadata(self, obj: RemoteObject, start: int, end: int) -> bytes:
+        """:meth:`fetch` for bytes no checksum guards (a Parquet or Arrow footer, which every later
+        read of the object trusts): over a network they are read twice and must agree, else
+        :class:`CorruptObjectError` (retried). Local files are read once: no transit to damage them."""
+        data = self.fetch(obj, start, end)
+        if not self._local and self.fetch(obj, start, end) != data:
+            raise CorruptObjectError(f"{self._url(obj.path)} bytes {start}-{end}: two reads of its metadata "
+                                     "differ: damaged in transit")
         return data
 
     def fetch_whole(self, obj: RemoteObject) -> bytes:
