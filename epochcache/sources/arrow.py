@@ -1,8 +1,8 @@
 """Arrow IPC files (Feather v2) over any fsspec URL: units are record batches, one ranged GET each.
 
 Flow: ``list_objects`` lists ``*.arrow``/``*.feather``/``*.ipc`` under the URL; ``units`` reads the
-file's footer (one ranged GET of its tail, a second only for footers over 64 KiB; each made twice
-over a network, see :meth:`RemoteFiles.fetch_metadata`), takes the schema
+file's footer (one ranged GET of its tail, a second only for footers over 64 KiB; over a network the
+footer's bytes are read once more, see :meth:`RemoteFiles.confirm`), takes the schema
 from it with pyarrow and the byte span of every record batch (its *Block*) from the footer's
 flatbuffer; ``read`` fetches one batch's span (metadata and body) in a single GET and decodes it
 with pyarrow, zero-copy. A row's key is ``<object path>:<batch>.<row in batch>``: the footer does
@@ -76,7 +76,7 @@ class ArrowSource(FileSource):
 
     def _read_footer(self, obj: RemoteObject) -> _Footer:
         tail_start = max(0, obj.size - _TAIL_BYTES)
-        tail = self._remote.fetch_metadata(obj, tail_start, obj.size)
+        tail = self._remote.fetch(obj, tail_start, obj.size)
         if len(tail) < 10 or tail[-6:] != _MAGIC:
             raise CorruptObjectError(f"{obj.path} is not an Arrow IPC file (no ARROW1 magic at its end)")
         length = int.from_bytes(tail[-10:-6], "little", signed=True)
@@ -84,7 +84,8 @@ class ArrowSource(FileSource):
             raise CorruptObjectError(f"{obj.path} is not an Arrow IPC file (footer length {length} for "
                                      f"{obj.size} bytes)")
         if length + 10 > len(tail):
-            tail = self._remote.fetch_metadata(obj, obj.size - length - 10, obj.size)
+            tail = self._remote.fetch(obj, obj.size - length - 10, obj.size)
+        self._remote.confirm(obj, obj.size - length - 10, tail[len(tail) - 10 - length :])
         footer = tail[len(tail) - 10 - length : -10]
         try:
             # pyarrow reads the schema from the footer bytes framed as a file with no batches

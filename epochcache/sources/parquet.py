@@ -2,8 +2,8 @@
 
 Flow: ``list_objects`` lists ``*.parquet``/``*.parq`` under the URL (or the one file it names);
 ``units`` reads an object's footer (one ranged GET of its tail, a second only for footers over
-64 KiB; each made twice over a network, see :meth:`RemoteFiles.fetch_metadata`) and caches the
-parsed metadata; ``read`` fetches the wanted column chunks of one row group,
+64 KiB; over a network the footer's bytes are read once more, see :meth:`RemoteFiles.confirm`) and
+caches the parsed metadata; ``read`` fetches the wanted column chunks of one row group,
 one ranged GET per run of neighbouring chunks (a single GET when all columns are wanted), and
 decodes them with pyarrow, verifying page CRCs where the file has them (written with
 ``write_page_checksum=True``): a damaged unit raises :class:`CorruptObjectError`, never wrong rows.
@@ -79,7 +79,7 @@ class ParquetSource(FileSource):
 
     def _read_metadata(self, obj: RemoteObject) -> pq.FileMetaData:
         tail_start = max(0, obj.size - _TAIL_BYTES)
-        tail = self._remote.fetch_metadata(obj, tail_start, obj.size)
+        tail = self._remote.fetch(obj, tail_start, obj.size)
         if len(tail) < 8 or tail[-4:] != b"PAR1":
             raise CorruptObjectError(f"{obj.path} is not a Parquet file (no PAR1 magic at its end)")
         needed = int.from_bytes(tail[-8:-4], "little") + 8
@@ -88,7 +88,8 @@ class ParquetSource(FileSource):
                                      "its size)")
         if needed > len(tail):
             tail_start = obj.size - needed
-            tail = self._remote.fetch_metadata(obj, tail_start, obj.size)
+            tail = self._remote.fetch(obj, tail_start, obj.size)
+        self._remote.confirm(obj, obj.size - needed, tail[len(tail) - needed :])
         try:
             metadata = pq.read_metadata(_buffered(obj.path, obj.size, {(tail_start, obj.size): tail}))
             _check_layout(obj, metadata)

@@ -23,7 +23,7 @@ Pinning (invariant: bytes of one read all come from the version the listing saw)
 
 Checks against damage in transit: whole objects by their MD5 ETag or store checksum (above);
 metadata that formats leave unguarded (footers) by reading it twice over a network
-(:meth:`RemoteFiles.fetch_metadata`); data pages by the format's own checksums (Parquet page CRCs).
+(:meth:`RemoteFiles.confirm`); data pages by the format's own checksums (Parquet page CRCs).
 Ranged data reads of a format without checksums (Arrow IPC, Parquet written without page CRCs)
 cannot be verified: the store offers no checksum of a byte range.
 """
@@ -169,15 +169,13 @@ class RemoteFiles:
             raise TruncatedReadError(f"{self._url(obj.path)} bytes {start}-{end}: got {len(data)} bytes")
         return data
 
-    def fetch_metadata(self, obj: RemoteObject, start: int, end: int) -> bytes:
-        """:meth:`fetch` for bytes no checksum guards (a Parquet or Arrow footer, which every later
-        read of the object trusts): over a network they are read twice and must agree, else
-        :class:`CorruptObjectError` (retried). Local files are read once: no transit to damage them."""
-        data = self.fetch(obj, start, end)
-        if not self._local and self.fetch(obj, start, end) != data:
-            raise CorruptObjectError(f"{self._url(obj.path)} bytes {start}-{end}: two reads of its metadata "
-                                     "differ: damaged in transit")
-        return data
+    def confirm(self, obj: RemoteObject, start: int, data: bytes) -> None:
+        """Check bytes no checksum guards (a Parquet or Arrow footer, which every later read of the
+        object trusts) by reading them again: over a network the two reads must agree, else
+        :class:`CorruptObjectError` (retried). Local files are not re-read: no transit to damage them."""
+        if not self._local and self.fetch(obj, start, start + len(data)) != data:
+            raise CorruptObjectError(f"{self._url(obj.path)} bytes {start}-{start + len(data)}: two reads of its "
+                                     "metadata differ: damaged in transit")
 
     def fetch_whole(self, obj: RemoteObject) -> bytes:
         """All bytes of the listed version of ``obj``, checked against what the store offers (a
