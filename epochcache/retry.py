@@ -8,14 +8,16 @@ flipped in transit), re-raised as itself after the last attempt; a permanent one
 or key, access denied, no credentials) is raised at once.
 Each retry and each give-up is counted through ``count(name)``.
 
-Invariant: attempts are counted only here. The S3 client's own retry layers (s3fs's loop and
-botocore's) are turned off by :func:`single_attempt_options`, so the counts in the ledger are the
-requests really made, and backoff is not multiplied by three nested loops.
+Invariant: attempts are counted only here. The S3 client's own retry layers (s3fs's loop,
+botocore's, and aiohttp's silent re-send of an idempotent request whose connection failed) are
+turned off by :func:`single_attempt_options`, so the counts in the ledger are the requests really
+made, and backoff is not multiplied by nested loops.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -135,6 +137,30 @@ def single_attempt_options(url: str, storage_options: dict[str, Any], timeout_s:
         return storage_options
     config = dict(storage_options.get("config_kwargs") or {})
     config.setdefault("retries", {"total_max_attempts": 1})
+    session_cls = _single_send_session_cls()
+    if session_cls is not None:
+        config.setdefault("http_session_cls", session_cls)
     config.setdefault("connect_timeout", timeout_s)
     config.setdefault("read_timeout", timeout_s)
     return {**storage_options, "config_kwargs": config}
+
+
+@functools.cache
+def _single_send_session_cls() -> type | None:
+    """aiobotocore's aiohttp session with aiohttp's own re-send turned off: aiohttp sends a GET a
+    second time, uncounted, when its connection breaks (a reset). None where aiobotocore lacks the
+    hook (another version): its re-sends then go uncounted, nothing else changes."""
+    try:
+        from aiobotocore.httpsession import AIOHTTPSession
+    except ImportError:  # no S3 stack installed
+        return None
+    if not hasattr(AIOHTTPSession, "_get_session"):
+        return None
+
+    class SingleSendSession(AIOHTTPSession):  # type: ignore[misc, valid-type]
+        async def _get_session(self, proxy_url: Any) -> Any:
+            session = await super()._get_session(proxy_url)
+            session._retry_connection = False  # aiohttp's switch for that re-send (no public one)
+            return session
+
+    return SingleSendSession

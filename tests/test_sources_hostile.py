@@ -16,7 +16,7 @@ import pytest
 from conftest import make_table
 
 from epochcache.errors import CorruptObjectError, FetchFailedError, ObjectMissingError, SourceError
-from epochcache.retry import Retrier
+from epochcache.retry import Retrier, single_attempt_options
 from epochcache.sources import ArrowSource, ObjectSource, ParquetSource, WebDatasetSource
 
 
@@ -239,3 +239,31 @@ def test_no_such_bucket_is_source_error(s3_options: dict[str, Any]) -> None:
     source = ParquetSource("s3://no-such-bucket-here/data", storage_options=s3_options)
     with pytest.raises(SourceError, match="cannot list s3://no-such-bucket-here/data"):
         source.list_objects()
+
+
+def test_every_request_sent_is_counted(s3: Any, bucket: str, s3_endpoint: str) -> None:
+    """Through the proxy, half the requests are reset: each request the proxy saw is a success, a
+    counted retry or a counted give-up (aiohttp's own silent re-send of a reset GET is off)."""
+    from faultproxy import FaultProxy
+
+    s3.pipe(f"{bucket}/count/a.bin", b"x" * 1000)
+    proxy = FaultProxy(s3_endpoint, rate=0.5, kinds=("reset",), seed=1)
+    try:
+        options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url}}
+        source = ObjectSource(f"s3://{bucket}/count", storage_options=single_attempt_options(
+            f"s3://{bucket}/count", options, 10.0))
+        counts: dict[str, int] = {"retries": 0, "give_ups": 0}
+        retrier = Retrier(4, 0.0, 0.0, lambda name: counts.__setitem__(name, counts[name] + 1))
+        (obj,) = retrier.call(source.list_objects, what="listing")
+        proxy.requests, counts["retries"], counts["give_ups"] = 0, 0, 0
+        done = 0
+        for _ in range(20):
+            try:
+                retrier.call(source._remote.fetch, obj, 0, 100, what="a.bin")
+                done += 1
+            except FetchFailedError:
+                pass
+        assert proxy.faults["reset"] > 5
+        assert proxy.requests == done + counts["retries"] + counts["give_ups"]
+    finally:
+        proxy.close()
