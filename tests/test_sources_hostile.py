@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import resource
 import tarfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -267,3 +268,27 @@ def test_every_request_sent_is_counted(s3: Any, bucket: str, s3_endpoint: str) -
         assert proxy.requests == done + counts["retries"] + counts["give_ups"]
     finally:
         proxy.close()
+
+
+def test_parquet_reads_run_on_the_calling_thread_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No pyarrow pool thread reads our Python file object (one still in it at interpreter exit
+    aborts the process: exit 134); the whole decode happens on the caller's thread."""
+    from epochcache.sources import parquet
+
+    threads: set[int] = set()
+    inner = parquet._buffered
+
+    def spying(*args: Any) -> Any:
+        f = inner(*args)
+        read = f.read
+        f.read = lambda *a: threads.add(threading.get_ident()) or read(*a)  # type: ignore[method-assign]
+        return f
+
+    monkeypatch.setattr(parquet, "_buffered", spying)
+    path = tmp_path / "wide.parquet"
+    pq.write_table(pa.table({f"c{i}": list(range(1000)) for i in range(16)}), path, row_group_size=500)
+    source = ParquetSource(str(path))
+    (obj,) = source.list_objects()
+    for unit in source.units(obj):
+        assert source.read(unit).num_rows == 500
+    assert threads == {threading.get_ident()}

@@ -217,7 +217,7 @@ class RemoteFiles:
             raise
 
     def _s3_read(self, obj: RemoteObject, start: int, end: int, whole: bool) -> bytes:
-        data, reply = fsspec.asyn.sync(self.fs.loop, self._s3_get, obj, start, end)
+        data, reply = fsspec.asyn.sync(self.fs.loop, self._s3_get, obj, start, end, whole)
         if whole and len(data) == obj.size:
             md5 = _PLAIN_MD5.match(str(reply.get("ETag", "")))
             encrypted = reply.get("ServerSideEncryption") in _ETAG_NOT_MD5 or reply.get("SSECustomerAlgorithm")
@@ -226,10 +226,13 @@ class RemoteFiles:
                                          f"{md5.group(1)}): damaged in transit")
         return data
 
-    async def _s3_get(self, obj: RemoteObject, start: int, end: int) -> tuple[bytes, dict[str, Any]]:
+    async def _s3_get(self, obj: RemoteObject, start: int, end: int, whole: bool) -> tuple[bytes, dict[str, Any]]:
+        """One GetObject, pinned by If-Match. A whole object pinned so is asked for without a Range:
+        S3 sends (and botocore checks) its ``x-amz-checksum-*`` only for an unranged GET."""
         bucket, key, _ = self.fs.split_path(obj.path)
         request: dict[str, Any] = {"Bucket": bucket, "Key": key}
-        if end > start and not (start == 0 and obj.size == 0):  # an empty object has no byte to range over
+        unranged = (whole and obj.etag) or (start == 0 and obj.size == 0)  # an empty object has no byte to range
+        if not unranged:
             request["Range"] = f"bytes={start}-{end - 1}"
         if obj.etag:
             request["IfMatch"] = obj.etag
