@@ -240,8 +240,8 @@ def test_repr_hides_credentials(fmt: Format, dataset: tuple[Any, str, dict[str, 
 
 
 def _unit_ids(fmt: Format, source: Source, obj: RemoteObject) -> list[list[int] | None]:
-    """Each unit's ids, checked against their payload (pixels or bytes); None for a corrupt unit.
-    A footer too damaged to split the object into units counts as one corrupt unit."""
+    """Each unit's ids, checked against their payload (:func:`_checked_ids`); None for a corrupt
+    unit. A footer too damaged to split the object into units counts as one corrupt unit."""
     try:
         units = source.units(obj)
     except CorruptObjectError:
@@ -249,18 +249,21 @@ def _unit_ids(fmt: Format, source: Source, obj: RemoteObject) -> list[list[int] 
     out: list[list[int] | None] = []
     for unit in units:
         try:
-            table = source.read(unit)
+            out.append(_checked_ids(fmt, source.read(unit), unit.key))
         except CorruptObjectError:
             out.append(None)
-            continue
-        ids = fmt.ids(table)
-        if fmt.name in ("parquet", "arrow"):
-            pixels = table.column("image").combine_chunks().to_numpy_ndarray()[:, 0, 0, 0]
-            assert (pixels == np.array(ids) % 251).all(), f"{unit.key}: wrong pixels"
-        elif fmt.name == "webdataset":
-            assert table.column("image").to_pylist() == [bytes([i % 251]) * 16 for i in ids], f"{unit.key}"
-        out.append(ids)
     return out
+
+
+def _checked_ids(fmt: Format, table: pa.Table, where: str) -> list[int]:
+    """The ids of ``table``, after checking each row's payload (pixels or bytes) matches its id."""
+    ids = fmt.ids(table)
+    if fmt.name in ("parquet", "arrow"):
+        pixels = table.column("image").combine_chunks().to_numpy_ndarray()[:, 0, 0, 0]
+        assert (pixels == np.array(ids) % 251).all(), f"{where}: wrong pixels"
+    elif fmt.name == "webdataset":
+        assert table.column("image").to_pylist() == [bytes([i % 251]) * 16 for i in ids], f"{where}: wrong bytes"
+    return ids
 
 
 def _assert_exact_or_corrupt(fmt: Format, got: list[list[int] | None], first: int) -> None:
@@ -359,27 +362,15 @@ def test_hostile_bit_flips(fmt: Format, s3: Any, bucket: str, s3_endpoint: str) 
     proxy = FaultProxy(s3_endpoint, rate=0.0, flip_rate=0.3, seed=3)
     try:
         options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url}}
-        source = open_source(SourceConfig(url=f"s3://{root}", format=fmt.name, storage_options=options))
+        source = open_source(SourceConfig.model_validate(
+            {"url": f"s3://{root}", "format": fmt.name, "storage_options": options}))
         retrier = Retrier(10, 0.0, 0.0, lambda name: None)
         read: list[int] = []
         for obj in source.list_objects():
             for unit in retrier.call(source.units, obj, what="units"):
-                table = retrier.call(source.read, unit, what=unit.key)
-                read.extend(_unit_ids(fmt, _Fixed(table), obj)[0] or [])
+                read.extend(_checked_ids(fmt, retrier.call(source.read, unit, what=unit.key), unit.key))
         assert proxy.faults["flip"] > 0
         assert sorted(read) == list(range(fmt.total)), "every row, exactly once, exactly as written"
     finally:
         proxy.close()
 
-
-class _Fixed:
-    """A one-unit stand-in source over an already read table (to reuse the row checks)."""
-
-    def __init__(self, table: pa.Table) -> None:
-        self.table = table
-
-    def units(self, obj: RemoteObject) -> list[int]:
-        return [0]
-
-    def read(self, unit: int) -> pa.Table:
-        return self.table

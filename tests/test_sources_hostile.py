@@ -281,7 +281,12 @@ def test_parquet_reads_run_on_the_calling_thread_only(tmp_path: Path, monkeypatc
     def spying(*args: Any) -> Any:
         f = inner(*args)
         read = f.read
-        f.read = lambda *a: threads.add(threading.get_ident()) or read(*a)  # type: ignore[method-assign]
+
+        def recording(*a: Any) -> bytes:
+            threads.add(threading.get_ident())
+            return read(*a)
+
+        f.read = recording  # type: ignore[method-assign]
         return f
 
     monkeypatch.setattr(parquet, "_buffered", spying)
