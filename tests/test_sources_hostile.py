@@ -297,3 +297,39 @@ def test_parquet_reads_run_on_the_calling_thread_only(tmp_path: Path, monkeypatc
     for unit in source.units(obj):
         assert source.read(unit).num_rows == 500
     assert threads == {threading.get_ident()}
+
+
+def test_a_flipped_whole_object_is_corrupt_by_the_store_checksum(s3: Any, bucket: str, s3_endpoint: str) -> None:
+    """Every GET body flipped: the unranged, If-Match-pinned GET of a whole object gets the store's
+    x-amz-checksum, which botocore checks; the mismatch is a one-line CorruptObjectError."""
+    from faultproxy import FaultProxy
+
+    s3.pipe(f"{bucket}/flip/cls/a.bin", b"x" * 1000)
+    proxy = FaultProxy(s3_endpoint, rate=0.0, flip_rate=1.0, seed=2)
+    try:
+        options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url}}
+        source = ObjectSource(f"s3://{bucket}/flip", storage_options=options)
+        (obj,) = source.list_objects()
+        with pytest.raises(CorruptObjectError, match="a.bin: the store's checksum does not match"):
+            source.read(source.units(obj)[0])
+        assert proxy.faults["flip"] == 1
+    finally:
+        proxy.close()
+
+
+def test_a_flipped_whole_object_is_corrupt_by_its_md5_etag(s3: Any, bucket: str, s3_endpoint: str) -> None:
+    """With botocore's own checksum validation off (a store that sends none), the plain-MD5 ETag
+    still catches the flipped body."""
+    from faultproxy import FaultProxy
+
+    s3.pipe(f"{bucket}/md5/cls/a.bin", b"x" * 1000)
+    proxy = FaultProxy(s3_endpoint, rate=0.0, flip_rate=1.0, seed=2)
+    try:
+        options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url},
+                   "config_kwargs": {"response_checksum_validation": "when_required"}}
+        source = ObjectSource(f"s3://{bucket}/md5", storage_options=options)
+        (obj,) = source.list_objects()
+        with pytest.raises(CorruptObjectError, match=r"a.bin: its bytes do not match its ETag \(MD5"):
+            source.read(source.units(obj)[0])
+    finally:
+        proxy.close()
