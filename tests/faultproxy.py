@@ -8,7 +8,7 @@ then the connection closes) or ``"delay"`` (the real reply after ``delay_s``). R
 
 Hostile remotes, on top: with probability ``flip_rate`` a successful object GET (a request with no
 query string: listings are left alone, TLS would guard them) has one random bit of its body flipped
-(counted as ``"flip"``); :meth:`FaultProxy.rewrite_on_get` replaces an object's bytes upstream just
+(counted as ``"flip"``); :meth:`FaultProxy.rewrite_on_get` has an object rewritten upstream just
 before its next GET is forwarded, as a writer racing the reader would (counted as ``"rewrite"``).
 """
 
@@ -18,7 +18,7 @@ import asyncio
 import random
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import urlparse
 
 _SLOWDOWN = (
@@ -36,8 +36,7 @@ class FaultProxy:
         parsed = urlparse(upstream)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rate, self.kinds, self.delay_s, self.flip_rate = rate, tuple(kinds), delay_s, flip_rate
-        self._rewrites: dict[str, bytes] = {}
-        self._host = f"{self._upstream[0]}:{self._upstream[1]}".encode()
+        self._rewrites: dict[str, Callable[[], object]] = {}
         self._random = random.Random(seed)
         self.faults: Counter[str] = Counter()
         self.requests = 0
@@ -48,9 +47,10 @@ class FaultProxy:
         if not self._ready.wait(10):
             raise RuntimeError("fault proxy did not start")
 
-    def rewrite_on_get(self, path: str, data: bytes) -> None:
-        """Before the next GET of ``/<bucket>/<key>`` ``path`` is forwarded, PUT ``data`` there (once)."""
-        self._rewrites[path] = data
+    def rewrite_on_get(self, path: str, write: Callable[[], object]) -> None:
+        """Before the next GET of ``/<bucket>/<key>`` ``path`` is forwarded, call ``write`` (once, in a
+        worker thread: it rewrites the object with a signed client of its own)."""
+        self._rewrites[path] = write
 
     def close(self) -> None:
         """Stop serving, end every open connection's task, and the loop."""
@@ -102,8 +102,7 @@ class FaultProxy:
         rewrite = self._rewrites.pop(target.decode(), None) if is_object_get else None
         if rewrite is not None:
             self.faults["rewrite"] += 1
-            await self._forward(b"PUT " + target + b" HTTP/1.1\r\nHost: " + self._host + b"\r\nContent-Length: "
-                                + str(len(rewrite)).encode() + b"\r\n\r\n", rewrite)
+            await asyncio.get_running_loop().run_in_executor(None, rewrite)
         reply = await self._forward(head, body)
         if is_object_get and self.flip_rate and self._random.random() < self.flip_rate:
             reply = self._flip(reply)

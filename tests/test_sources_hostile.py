@@ -333,3 +333,28 @@ def test_a_flipped_whole_object_is_corrupt_by_its_md5_etag(s3: Any, bucket: str,
             source.read(source.units(obj)[0])
     finally:
         proxy.close()
+
+
+def test_an_object_rewritten_just_before_its_get_is_skipped_not_cut(
+    tmp_path: Path, s3: Any, bucket: str, s3_endpoint: str
+) -> None:
+    """The proxy rewrites the object (twice as long) between the footer read and a row group's GET,
+    as a racing writer would: the pinned GET answers 412, the unit is skipped for this pass."""
+    from faultproxy import FaultProxy
+
+    original = _parquet(tmp_path / "a.parquet")
+    s3.pipe(f"{bucket}/race/part.parquet", original)
+    proxy = FaultProxy(s3_endpoint, rate=0.0)
+    try:
+        options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url}}
+        source = ParquetSource(f"s3://{bucket}/race", storage_options=options)
+        (obj,) = source.list_objects()
+        units = source.units(obj)
+        assert source.read(units[0]).num_rows == 32
+        proxy.rewrite_on_get(f"/{bucket}/race/part.parquet", lambda: s3.pipe(f"{bucket}/race/part.parquet",
+                                                                               original + original))
+        with pytest.raises(ObjectMissingError, match="changed since it was listed"):
+            source.read(units[1])
+        assert proxy.faults["rewrite"] == 1 and s3.size(f"{bucket}/race/part.parquet") == 2 * len(original)
+    finally:
+        proxy.close()
