@@ -60,7 +60,7 @@ class ParquetSource(FileSource):
         decompression or decoding failure) raises :class:`CorruptObjectError` naming the unit."""
         metadata = self._metadata(unit.obj)
         parts = {(start, end): self._remote.fetch(unit.obj, start, end)
-                 for start, end in self._byte_ranges(metadata, unit.index)}
+                 for start, end in self._byte_ranges(metadata, unit)}
         f = _buffered(unit.obj.path, unit.obj.size, parts)
         try:
             # pre_buffer/use_threads off: the bytes are in memory already, and no pyarrow I/O or CPU
@@ -92,7 +92,6 @@ class ParquetSource(FileSource):
         self._remote.confirm(obj, obj.size - needed, tail[len(tail) - needed :])
         try:
             metadata = pq.read_metadata(_buffered(obj.path, obj.size, {(tail_start, obj.size): tail}))
-            _check_layout(obj, metadata)
         except (pa.ArrowInvalid, OSError, ValueError, IndexError) as exc:
             raise CorruptObjectError(f"{obj.path}: unreadable Parquet footer: {' '.join(str(exc).split())}") from exc
         self._check_columns(obj.path, metadata)
@@ -108,18 +107,23 @@ class ParquetSource(FileSource):
                 f"source.columns names {missing} absent from {path}: present are {sorted(present)}"
             )
 
-    def _byte_ranges(self, metadata: pq.FileMetaData, index: int) -> list[tuple[int, int]]:
-        """The spans of file bytes holding row group ``index``'s chunks of the wanted columns, one per
+    def _byte_ranges(self, metadata: pq.FileMetaData, unit: Unit) -> list[tuple[int, int]]:
+        """The spans of file bytes holding the unit's row group chunks of the wanted columns, one per
         run of neighbouring chunks: unwanted columns between two runs are skipped, not downloaded,
-        unless the gap is smaller than :data:`_GAP_BYTES` (cheaper to read than to ask twice)."""
-        group = metadata.row_group(index)
+        unless the gap is smaller than :data:`_GAP_BYTES` (cheaper to read than to ask twice).
+        A chunk the footer places outside the file (a damaged footer) is :class:`CorruptObjectError`."""
+        group = metadata.row_group(unit.index)
         spans = []
         for leaf in _leaf_columns(metadata, self.columns):
             chunk = group.column(leaf)
             start = chunk.data_page_offset
             if chunk.has_dictionary_page and chunk.dictionary_page_offset:
                 start = min(start, chunk.dictionary_page_offset)
-            spans.append((start, start + chunk.total_compressed_size))
+            end = start + chunk.total_compressed_size
+            if start < 0 or not start <= end <= unit.obj.size:
+                raise CorruptObjectError(f"{unit.obj.path}: its footer places row group {unit.index}'s column {leaf} "
+                                         f"at bytes {start}-{end}, outside the file's {unit.obj.size}")
+            spans.append((start, end))
         runs: list[tuple[int, int]] = []
         for start, end in sorted(spans):
             if runs and start - runs[-1][1] <= _GAP_BYTES:
@@ -128,21 +132,6 @@ class ParquetSource(FileSource):
                 runs.append((start, end))
         return runs
 
-
-
-def _check_layout(obj: RemoteObject, metadata: pq.FileMetaData) -> None:
-    """Every column chunk the footer names lies inside the file: a footer that decodes but points
-    elsewhere (damaged) is refused before any data is read by it."""
-    for index in range(metadata.num_row_groups):
-        group = metadata.row_group(index)
-        for leaf in range(group.num_columns):
-            chunk = group.column(leaf)
-            start = chunk.data_page_offset
-            if chunk.has_dictionary_page and chunk.dictionary_page_offset:
-                start = min(start, chunk.dictionary_page_offset)
-            if start < 0 or chunk.total_compressed_size < 0 or start + chunk.total_compressed_size > obj.size:
-                raise ValueError(f"row group {index} column {leaf} spans bytes {start}+"
-                                 f"{chunk.total_compressed_size}, beyond the file's {obj.size}")
 
 
 def _buffered(path: str, size: int, parts: dict[tuple[int, int], bytes]) -> AlreadyBufferedFile:

@@ -13,7 +13,8 @@ paths and causes only, never ``storage_options`` (which may hold credentials).
 Pinning (invariant: bytes of one read all come from the version the listing saw):
 
 - S3: the listing records each object's ETag; every GET carries ``If-Match`` with it, so a rewritten
-  object answers 412 instead of bytes of another version cut at the stale size. A whole-object read
+  object answers 412 instead of bytes of another version cut at the stale size. (ListObjectsV2
+  names no VersionId; the ETag pins versioned buckets as well.) A whole-object read
   also checks the body's MD5 against a plain (single-part, not SSE-KMS/SSE-C) ETag; botocore checks
   an ``x-amz-checksum-*`` the store sends for a whole object.
 - Local files: the etag is ``<mtime>-<size>``; it is compared with a fresh ``stat`` before and after
