@@ -3,17 +3,21 @@
 Flow: ``Retrier.call(fn, what)`` runs ``fn``; a transient failure (:func:`is_transient`: 5xx,
 SlowDown/503, timeouts, connection resets, truncated bodies) is retried after a random wait in
 ``[0, min(backoff_max_s, backoff_s * 2**attempt)]`` (full jitter, AWS's recommendation) up to
-``max_attempts`` in all; a permanent one (no such bucket or key, access denied, a malformed file)
-is raised at once. Each retry and each give-up is counted through ``count(name)``.
+``max_attempts`` in all, and so is a :class:`CorruptObjectError` (a checksum mismatch may be a bit
+flipped in transit), re-raised as itself after the last attempt; a permanent one (no such bucket
+or key, access denied, no credentials) is raised at once.
+Each retry and each give-up is counted through ``count(name)``.
 
-Invariant: attempts are counted only here. The S3 client's own retry layers (s3fs's loop and
-botocore's) are turned off by :func:`single_attempt_options`, so the counts in the ledger are the
-requests really made, and backoff is not multiplied by three nested loops.
+Invariant: attempts are counted only here. The S3 client's own retry layers (s3fs's loop,
+botocore's, and aiohttp's silent re-send of an idempotent request whose connection failed) are
+turned off by :func:`single_attempt_options`, so the counts in the ledger are the requests really
+made, and backoff is not multiplied by nested loops.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -21,7 +25,7 @@ from typing import Any, TypeVar
 
 import tenacity
 
-from epochcache.errors import FetchFailedError, SourceError
+from epochcache.errors import CorruptObjectError, FetchFailedError, SourceError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,10 @@ class TruncatedReadError(OSError):
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True for failures another attempt may cure; False for permanent ones (and our own errors)."""
+    """True for failures another attempt may cure; False for permanent ones (and our own errors but
+    :class:`CorruptObjectError`: bytes damaged in transit read right the next time)."""
+    if isinstance(exc, CorruptObjectError):
+        return True
     if isinstance(exc, (SourceError, FileNotFoundError, PermissionError, IsADirectoryError)):
         return False
     if isinstance(exc, (TimeoutError, ConnectionError, TruncatedReadError)):
@@ -89,13 +96,17 @@ class Retrier:
 
     def call(self, fn: Callable[..., T], *args: Any, what: str) -> T:
         """``fn(*args)``, retried on transient failures. ``what`` names the read (a URL and range) in
-        messages. Raises :class:`FetchFailedError` once attempts run out, a permanent error at once."""
+        messages. Raises :class:`FetchFailedError` once attempts run out (the last
+        :class:`CorruptObjectError` itself when that is what kept failing: the unit is then skipped
+        with its reason), a permanent error at once."""
         try:
             return self._retrying(fn, *args)
         except Exception as exc:
             if not is_transient(exc):
                 raise
             self._count("give_ups")
+            if isinstance(exc, CorruptObjectError):
+                raise
             raise FetchFailedError(f"{what}: still failing after retries: {describe(exc)}") from exc
 
     def _sleep(self, seconds: float) -> None:
@@ -126,6 +137,30 @@ def single_attempt_options(url: str, storage_options: dict[str, Any], timeout_s:
         return storage_options
     config = dict(storage_options.get("config_kwargs") or {})
     config.setdefault("retries", {"total_max_attempts": 1})
+    session_cls = _single_send_session_cls()
+    if session_cls is not None:
+        config.setdefault("http_session_cls", session_cls)
     config.setdefault("connect_timeout", timeout_s)
     config.setdefault("read_timeout", timeout_s)
     return {**storage_options, "config_kwargs": config}
+
+
+@functools.cache
+def _single_send_session_cls() -> type | None:
+    """aiobotocore's aiohttp session with aiohttp's own re-send turned off: aiohttp sends a GET a
+    second time, uncounted, when its connection breaks (a reset). None where aiobotocore lacks the
+    hook (another version): its re-sends then go uncounted, nothing else changes."""
+    try:
+        from aiobotocore.httpsession import AIOHTTPSession
+    except ImportError:  # no S3 stack installed
+        return None
+    if not hasattr(AIOHTTPSession, "_get_session"):
+        return None
+
+    class SingleSendSession(AIOHTTPSession):  # type: ignore[misc, valid-type]
+        async def _get_session(self, proxy_url: Any) -> Any:
+            session = await super()._get_session(proxy_url)
+            session._retry_connection = False  # aiohttp's switch for that re-send (no public one)
+            return session
+
+    return SingleSendSession

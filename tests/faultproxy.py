@@ -5,6 +5,11 @@ replaced by a fault, chosen at random from ``kinds``: ``"503"`` (an S3 SlowDown 
 (the client connection is aborted before any reply), ``"truncate"`` (the real headers, half the body,
 then the connection closes) or ``"delay"`` (the real reply after ``delay_s``). Replies go out with
 ``Connection: close`` so a fault never leaks into a reused connection. Counts are in ``faults``.
+
+Hostile remotes, on top: with probability ``flip_rate`` a successful object GET (a request with no
+query string: listings are left alone, TLS would guard them) has one random bit of its body flipped
+(counted as ``"flip"``); :meth:`FaultProxy.rewrite_on_get` has an object rewritten upstream just
+before its next GET is forwarded, as a writer racing the reader would (counted as ``"rewrite"``).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import asyncio
 import random
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import urlparse
 
 _SLOWDOWN = (
@@ -27,10 +32,11 @@ class FaultProxy:
     """Runs in its own thread and event loop; ``url`` is what to give s3fs as ``endpoint_url``."""
 
     def __init__(self, upstream: str, rate: float, kinds: Sequence[str] = KINDS, delay_s: float = 3.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, flip_rate: float = 0.0) -> None:
         parsed = urlparse(upstream)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
-        self.rate, self.kinds, self.delay_s = rate, tuple(kinds), delay_s
+        self.rate, self.kinds, self.delay_s, self.flip_rate = rate, tuple(kinds), delay_s, flip_rate
+        self._rewrites: dict[str, Callable[[], object]] = {}
         self._random = random.Random(seed)
         self.faults: Counter[str] = Counter()
         self.requests = 0
@@ -40,6 +46,11 @@ class FaultProxy:
         self._thread.start()
         if not self._ready.wait(10):
             raise RuntimeError("fault proxy did not start")
+
+    def rewrite_on_get(self, path: str, write: Callable[[], object]) -> None:
+        """Before the next GET of ``/<bucket>/<key>`` ``path`` is forwarded, call ``write`` (once, in a
+        worker thread: it rewrites the object with a signed client of its own)."""
+        self._rewrites[path] = write
 
     def close(self) -> None:
         """Stop serving, end every open connection's task, and the loop."""
@@ -86,7 +97,15 @@ class FaultProxy:
                          + str(len(_SLOWDOWN)).encode() + b"\r\nConnection: close\r\n\r\n" + _SLOWDOWN)
             await writer.drain()
             return
+        method, target = head.split(b" ", 2)[:2]
+        is_object_get = method == b"GET" and b"?" not in target
+        rewrite = self._rewrites.pop(target.decode(), None) if is_object_get else None
+        if rewrite is not None:
+            self.faults["rewrite"] += 1
+            await asyncio.get_running_loop().run_in_executor(None, rewrite)
         reply = await self._forward(head, body)
+        if is_object_get and self.flip_rate and self._random.random() < self.flip_rate:
+            reply = self._flip(reply)
         if fault == "delay":
             await asyncio.sleep(self.delay_s)
         split = reply.index(b"\r\n\r\n") + 4
@@ -96,6 +115,15 @@ class FaultProxy:
         await writer.drain()
         if fault == "truncate":
             writer.transport.abort()
+
+    def _flip(self, reply: bytes) -> bytes:
+        """``reply`` with one random bit of its body flipped, if it has a body and succeeded."""
+        split = reply.index(b"\r\n\r\n") + 4
+        if len(reply) == split or not reply.startswith((b"HTTP/1.1 200", b"HTTP/1.1 206")):
+            return reply
+        self.faults["flip"] += 1
+        position = self._random.randrange(split, len(reply))
+        return reply[:position] + bytes([reply[position] ^ (1 << self._random.randrange(8))]) + reply[position + 1:]
 
     async def _forward(self, head: bytes, body: bytes) -> bytes:
         upstream_reader, upstream_writer = await asyncio.open_connection(*self._upstream)

@@ -7,11 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import pyarrow as pa
 import pytest
 from conftest import UnitLog
 
 from epochcache.config import SourceConfig
-from epochcache.errors import ObjectMissingError, SourceError
+from epochcache.errors import CorruptObjectError, ObjectMissingError, SourceError
 from epochcache.sources import KEY_COLUMN, open_source
 
 IMAGES = {"cat/1.jpg": b"meow-1", "cat/2.jpg": b"meow-2", "dog/1.jpg": b"woof-1"}
@@ -38,8 +39,28 @@ def test_labels_from_the_parent_folder(remote: tuple[Any, str, str, dict[str, An
     objects = source.list_objects()
     assert [o.path.removeprefix(root).lstrip("/") for o in objects] == sorted(IMAGES)
     rows = [source.read(source.units(obj)[0]).to_pylist()[0] for obj in objects]
-    assert [(r["data"], r["label"]) for r in rows] == [(b"meow-1", "cat"), (b"meow-2", "cat"), (b"woof-1", "dog")]
+    assert [(r["data"], r["label"], r["label_name"]) for r in rows] == [
+        (b"meow-1", 0, "cat"), (b"meow-2", 0, "cat"), (b"woof-1", 1, "dog")]
     assert rows[2][KEY_COLUMN] == f"{objects[2].path}:0"
+    assert source.classes() == ["cat", "dog"]  # type: ignore[attr-defined]
+    table = source.read(source.units(objects[0])[0])
+    assert table.schema.field("label").type == pa.int32()
+    assert json.loads(table.schema.field("label").metadata[b"classes"]) == ["cat", "dog"]
+
+
+def test_folder_labels_refuse_an_object_outside_the_class_folders(
+    remote: tuple[Any, str, str, dict[str, Any]]
+) -> None:
+    fs, root, url, options = remote
+    source = open_source(SourceConfig(url=url, format="objects", labels="folder", storage_options=options))
+    assert source.classes() == ["cat", "dog"]  # type: ignore[attr-defined]
+    fs.makedirs(f"{root}/emu", exist_ok=True)
+    fs.pipe(f"{root}/emu/1.jpg", b"new class after the list was taken")
+    fs.pipe(f"{root}/loose.jpg", b"no class folder")
+    for obj in source.list_objects():
+        if obj.path.endswith(("emu/1.jpg", "loose.jpg")):
+            with pytest.raises(CorruptObjectError, match="lies in no class folder"):
+                source.read(source.units(obj)[0])
 
 
 def test_labels_from_a_sidecar_table_which_is_not_a_sample(remote: tuple[Any, str, str, dict[str, Any]]) -> None:

@@ -13,11 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 import s3fs
 from conftest import make_table, write_parquet_dataset
-
 from pydantic import ValidationError
 
 from epochcache.config import SourceConfig
-from epochcache.errors import SourceError
+from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources import KEY_COLUMN, ParquetSource, RemoteObject, open_source
 
 FILES = 3
@@ -26,15 +25,16 @@ ROWS_PER_GROUP = 16  # groups of 16, 16, 8
 
 
 class RangeSpy:
-    """Wraps a filesystem's ``cat_file`` and records the byte ranges asked for; behaviour unchanged."""
+    """Wraps ``RemoteFiles._read`` (every request goes through it) and records the byte ranges asked
+    for; behaviour unchanged."""
 
     def __init__(self, inner: Callable[..., bytes]) -> None:
         self.inner = inner
         self.calls: list[tuple[str, int | None, int | None, int]] = []
 
-    def __call__(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
-        data = self.inner(path, start=start, end=end, **kwargs)
-        self.calls.append((path, start, end, len(data)))
+    def __call__(self, obj: RemoteObject, start: int, end: int, whole: bool) -> bytes:
+        data = self.inner(obj, start, end, whole)
+        self.calls.append((obj.path, start, end, len(data)))
         return data
 
     @property
@@ -187,8 +187,8 @@ def test_column_selection_fetches_only_that_column(
     for source in (both, only_id):
         obj = source.list_objects()[0]
         unit = source.units(obj)[0]  # footer read before spying
-        spy = RangeSpy(source._remote.fs.cat_file)
-        monkeypatch.setattr(source._remote.fs, "cat_file", spy)
+        spy = RangeSpy(source._remote._read)
+        monkeypatch.setattr(source._remote, "_read", spy)
         source.read(unit)
         monkeypatch.undo()
         assert len(spy.calls) == 1  # one ranged GET per unit
@@ -212,7 +212,7 @@ def test_not_parquet_with_parquet_suffix_s3(
     s3.pipe(f"{bucket}/bad/fake.parquet", b"id,label\n1,cat\n2,dog\n" * 10)
     source = ParquetSource(f"s3://{bucket}/bad", storage_options=s3_options)
     (obj,) = source.list_objects()
-    with pytest.raises(SourceError) as info:
+    with pytest.raises(CorruptObjectError) as info:
         source.units(obj)
     assert "fake.parquet" in str(info.value)
 
@@ -227,22 +227,22 @@ def test_not_parquet_with_parquet_suffix_s3(
     ],
     ids=["empty", "magic-only", "huge-footer-length", "garbage-footer"],
 )
-def test_corrupt_parquet_is_source_error_local(tmp_path: Path, content: bytes) -> None:
+def test_corrupt_parquet_is_corrupt_object_local(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "broken.parquet"
     path.write_bytes(content)
     source = ParquetSource(str(path))
     (obj,) = source.list_objects()
-    with pytest.raises(SourceError, match="broken.parquet"):
+    with pytest.raises(CorruptObjectError, match="broken.parquet"):
         source.units(obj)
 
 
-def test_huge_footer_length_is_source_error_s3(
+def test_huge_footer_length_is_corrupt_object_s3(
     s3: s3fs.S3FileSystem, bucket: str, s3_options: dict[str, Any]
 ) -> None:
     s3.pipe(f"{bucket}/bad/odd.parquet", b"hello world" + (10**9).to_bytes(4, "little") + b"PAR1")
     source = ParquetSource(f"s3://{bucket}/bad", storage_options=s3_options)
     (obj,) = source.list_objects()
-    with pytest.raises(SourceError, match="odd.parquet"):
+    with pytest.raises(CorruptObjectError, match="odd.parquet"):
         source.units(obj)
 
 
@@ -277,15 +277,15 @@ def test_read_fetches_a_small_part_of_a_large_file(
     source = ParquetSource(f"s3://{bucket}/big", storage_options=s3_options)
     (obj,) = source.list_objects()
 
-    spy = RangeSpy(source._remote.fs.cat_file)
-    monkeypatch.setattr(source._remote.fs, "cat_file", spy)
+    spy = RangeSpy(source._remote._read)
+    monkeypatch.setattr(source._remote, "_read", spy)
     units = source.units(obj)
     assert len(units) >= 4
     back = source.read(units[5])
 
     assert back.column("id").to_pylist() == list(range(5 * rows // 8, 6 * rows // 8))
     assert all(start is not None and end is not None for _, start, end, _ in spy.calls)  # ranged GETs only
-    assert len(spy.calls) == 2  # one footer read, one read of the row group
+    assert len(spy.calls) == 3  # the tail, the footer's bytes again (a check), the row group
     assert spy.requested < obj.size / 3, (spy.requested, obj.size)
     assert spy.received < obj.size / 3
 
@@ -294,13 +294,13 @@ def test_footer_is_read_once_per_object(
     s3_source: ParquetSource, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     obj = s3_source.list_objects()[0]
-    spy = RangeSpy(s3_source._remote.fs.cat_file)
-    monkeypatch.setattr(s3_source._remote.fs, "cat_file", spy)
+    spy = RangeSpy(s3_source._remote._read)
+    monkeypatch.setattr(s3_source._remote, "_read", spy)
     units = s3_source.units(obj)
     s3_source.units(obj)
     for unit in units:
         s3_source.read(unit)
-    assert len(spy.calls) == 1 + len(units)
+    assert len(spy.calls) == 2 + len(units), "the tail and its footer's check once, then a GET per unit"
 
 
 def test_missing_object_is_source_error(tmp_path: Path, local_root: str) -> None:
@@ -383,8 +383,8 @@ def test_unselected_middle_columns_are_not_downloaded(
     source = ParquetSource(f"s3://{bucket}/wide", columns=["a", "c"], storage_options=s3_options)
     (obj,) = source.list_objects()
     (unit,) = source.units(obj)
-    spy = RangeSpy(source._remote.fs.cat_file)
-    monkeypatch.setattr(source._remote.fs, "cat_file", spy)
+    spy = RangeSpy(source._remote._read)
+    monkeypatch.setattr(source._remote, "_read", spy)
     back = source.read(unit)
     assert back.column("c").equals(table.column("c"))
     assert len(spy.calls) == 2, "one GET per run of wanted chunks"

@@ -12,7 +12,7 @@ import pytest
 from conftest import UnitLog
 
 from epochcache.config import SourceConfig
-from epochcache.errors import ObjectMissingError, SourceError
+from epochcache.errors import CorruptObjectError, ObjectMissingError
 from epochcache.sources import KEY_COLUMN, open_source
 
 SHARDS, SAMPLES = 3, 5
@@ -67,11 +67,11 @@ def test_one_get_per_tar_and_field_selection(
     source = open_source(SourceConfig(url=url, format="webdataset", columns=["cls", "txt"], storage_options=options))
     obj = source.list_objects()[0]
     calls: list[tuple[int, int]] = []
-    inner = source._remote.fs.cat_file  # type: ignore[attr-defined]
-    monkeypatch.setattr(source._remote.fs, "cat_file",  # type: ignore[attr-defined]
-                        lambda path, start, end, **kw: calls.append((start, end)) or inner(path, start=start, end=end))
+    inner = source._remote._read  # type: ignore[attr-defined]
+    monkeypatch.setattr(source._remote, "_read",  # type: ignore[attr-defined]
+                        lambda o, start, end, whole: calls.append((start, end)) or inner(o, start, end, whole))
     table = source.read(source.units(obj)[0])
-    assert calls == [(0, obj.size)]
+    assert calls == [(0, obj.size + 1)], "one GET of the whole tar, one byte past it to see growth"
     assert table.column_names == ["cls", "txt", KEY_COLUMN]
     assert table.column("txt").null_count == SAMPLES, "a field no sample has is a column of nulls"
 
@@ -81,7 +81,7 @@ def test_corrupt_and_missing_tars(remote: tuple[Any, str, str, dict[str, Any]]) 
     fs.pipe(f"{root}/zz-broken.tar", b"\x01" * 1024)
     source = open_source(SourceConfig(url=url, format="webdataset", storage_options=options))
     objects = source.list_objects()
-    with pytest.raises(SourceError, match="zz-broken.tar"):
+    with pytest.raises(CorruptObjectError, match="zz-broken.tar"):
         source.read(source.units(objects[-1])[0])
     fs.rm(objects[0].path)
     with pytest.raises(ObjectMissingError, match="shard-0000.tar"):

@@ -1,7 +1,8 @@
 """Arrow IPC files (Feather v2) over any fsspec URL: units are record batches, one ranged GET each.
 
 Flow: ``list_objects`` lists ``*.arrow``/``*.feather``/``*.ipc`` under the URL; ``units`` reads the
-file's footer (one ranged GET of its tail, a second only for footers over 64 KiB), takes the schema
+file's footer (one ranged GET of its tail, a second only for footers over 64 KiB; over a network the
+footer's bytes are read once more, see :meth:`RemoteFiles.confirm`), takes the schema
 from it with pyarrow and the byte span of every record batch (its *Block*) from the footer's
 flatbuffer; ``read`` fetches one batch's span (metadata and body) in a single GET and decodes it
 with pyarrow, zero-copy. A row's key is ``<object path>:<batch>.<row in batch>``: the footer does
@@ -21,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from epochcache.errors import SourceError
+from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
 from epochcache.sources.remote import FileSource
 
@@ -57,11 +58,15 @@ class ArrowSource(FileSource):
     def read(self, unit: Unit) -> pa.Table:
         footer = self._footer(unit.obj)
         start, end = footer.blocks[unit.index]
-        data = pa.py_buffer(self._remote.fetch(unit.obj.path, start, end))
+        data = pa.py_buffer(self._remote.fetch(unit.obj, start, end))
         try:
             batch = pa.ipc.read_record_batch(pa.ipc.read_message(data), footer.schema)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise SourceError(f"{unit.obj.path}: record batch {unit.index} is unreadable: {exc}") from exc
+            batch.validate(full=True)  # offsets, lengths, UTF-8: damage pyarrow would otherwise read past
+        except (pa.ArrowInvalid, OSError, ValueError) as exc:
+            # the footer may be what is damaged (it has no checksum): read it afresh on the retry
+            self._footer.cache_clear()
+            raise CorruptObjectError(f"{unit.obj.path}: record batch {unit.index} ({unit.key}) is unreadable: "
+                                     f"{' '.join(str(exc).split())}") from exc
         table = pa.Table.from_batches([batch])
         if self.columns is not None:
             table = table.select(self.columns)
@@ -71,23 +76,25 @@ class ArrowSource(FileSource):
 
     def _read_footer(self, obj: RemoteObject) -> _Footer:
         tail_start = max(0, obj.size - _TAIL_BYTES)
-        tail = self._remote.fetch(obj.path, tail_start, obj.size)
+        tail = self._remote.fetch(obj, tail_start, obj.size)
         if len(tail) < 10 or tail[-6:] != _MAGIC:
-            raise SourceError(f"{obj.path} is not an Arrow IPC file (no ARROW1 magic at its end)")
+            raise CorruptObjectError(f"{obj.path} is not an Arrow IPC file (no ARROW1 magic at its end)")
         length = int.from_bytes(tail[-10:-6], "little", signed=True)
         if not 0 < length <= obj.size - 10:
-            raise SourceError(f"{obj.path} is not an Arrow IPC file (footer length {length} for {obj.size} bytes)")
+            raise CorruptObjectError(f"{obj.path} is not an Arrow IPC file (footer length {length} for "
+                                     f"{obj.size} bytes)")
         if length + 10 > len(tail):
-            tail = self._remote.fetch(obj.path, obj.size - length - 10, obj.size)
+            tail = self._remote.fetch(obj, obj.size - length - 10, obj.size)
+        self._remote.confirm(obj, obj.size - length - 10, tail[len(tail) - 10 - length :])
         footer = tail[len(tail) - 10 - length : -10]
         try:
             # pyarrow reads the schema from the footer bytes framed as a file with no batches
             schema = pa.ipc.open_file(pa.py_buffer(_MAGIC + b"\0\0" + tail[len(tail) - 10 - length :])).schema
             blocks = tuple((offset, offset + meta + body) for offset, meta, body in _record_blocks(footer))
-        except (pa.ArrowInvalid, struct.error, IndexError) as exc:
-            raise SourceError(f"{obj.path}: unreadable Arrow IPC footer: {exc}") from exc
-        if any(end > obj.size for _, end in blocks):
-            raise SourceError(f"{obj.path}: a record batch lies beyond the end of the file")
+        except (pa.ArrowInvalid, OSError, struct.error, IndexError) as exc:
+            raise CorruptObjectError(f"{obj.path}: unreadable Arrow IPC footer: {' '.join(str(exc).split())}") from exc
+        if any(start < 0 or end < start or end > obj.size for start, end in blocks):
+            raise CorruptObjectError(f"{obj.path}: a record batch lies beyond the end of the file")
         self._check_columns(obj.path, schema)
         return _Footer(schema, blocks)
 

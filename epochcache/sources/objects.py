@@ -5,8 +5,13 @@ unit of one row, so the daemon's fetch pool reads ``sampler.concurrency`` object
 sampler's groups interleave them like any other units. ``read`` GETs the object and returns a row
 ``{"data": bytes, "__key__": "<object path>:0"}`` plus its labels:
 
-- ``labels: folder``: a ``label`` string column holding the parent folder's name (``cat/1.jpg`` ->
-  ``cat``);
+- ``labels: folder``: the ImageFolder rule. The classes are the folders directly under the URL,
+  sorted (:meth:`ObjectSource.classes`, listed once per source); a sample gets an int32 ``label``,
+  the index of its top folder in that list (``cat/1.jpg`` -> 0 of ``[cat, dog]``), and a
+  ``label_name`` string column (``cat``). The class list travels in the ``label`` field's metadata
+  (``classes``, a JSON list), so shards labelled by different lists have different schemas. An
+  object outside any class folder, or in one that appeared after the list was taken, is refused
+  (:class:`CorruptObjectError`: skipped) rather than given a number of another class;
 - ``labels: <URL of a .csv, .jsonl or .parquet table>``: its ``key`` column names objects by their
   path relative to ``source.url``; its other columns are added to the sample (null where an object
   has no row). The table is read once, whole, when the source opens.
@@ -14,6 +19,7 @@ sampler's groups interleave them like any other units. ``read`` GETs the object 
 
 from __future__ import annotations
 
+import json
 import posixpath
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -24,7 +30,7 @@ import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from epochcache.errors import SourceError
+from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
 from epochcache.sources.remote import FileSource
 
@@ -52,6 +58,7 @@ class ObjectSource(FileSource):
         self._sidecar_path: str | None = None
         self._sidecar: pa.Table | None = None
         self._rows: dict[str, int] = {}
+        self._classes: list[str] | None = None
         if labels is not None and labels != LABELS_FROM_FOLDER:
             self._load_sidecar(labels, storage_options or {})
         self._check_columns()
@@ -66,11 +73,19 @@ class ObjectSource(FileSource):
         return [Unit(obj, 0, 1, 0, obj.size)]
 
     def read(self, unit: Unit) -> pa.Table:
-        data = self._remote.fetch(unit.obj.path, 0, unit.obj.size)
+        """The object as one sample; one over ``max_sample_bytes`` raises :class:`CorruptObjectError`
+        before any byte is fetched."""
+        if unit.obj.size > self.max_sample_bytes:
+            raise CorruptObjectError(f"{unit.obj.path} is {unit.obj.size} bytes, over sampler.max_sample_bytes="
+                                     f"{self.max_sample_bytes}: raise it if such samples are wanted")
+        data = self._remote.fetch_whole(unit.obj)
         table = pa.table({"data": pa.array([data], pa.binary())})
         if self._labels_from == LABELS_FROM_FOLDER:
-            folder = posixpath.basename(posixpath.dirname(unit.obj.path))
-            table = table.append_column("label", pa.array([folder], pa.string()))
+            name = self._class_of(unit.obj)
+            classes = self.classes()
+            field = pa.field("label", pa.int32(), metadata={"classes": json.dumps(classes)})
+            table = table.append_column(field, pa.array([classes.index(name)], pa.int32()))
+            table = table.append_column("label_name", pa.array([name], pa.string()))
         elif self._sidecar is not None:
             row = self._rows.get(posixpath.relpath(unit.obj.path, self._remote.root))
             labels = self._sidecar.take(pa.array([row], pa.int64()))
@@ -80,10 +95,28 @@ class ObjectSource(FileSource):
             table = table.select(self.columns)
         return table.append_column(KEY_COLUMN, pa.array([f"{unit.obj.path}:0"], pa.string()))
 
+    def classes(self) -> list[str]:
+        """The sorted names of the folders directly under the URL (``labels: folder``): ``label``
+        ``i`` is ``classes()[i]``. Listed once (one request), then fixed for the source's life."""
+        if self._classes is None:
+            root = self._remote.root.rstrip("/")
+            entries = self._remote.fs.ls(root, detail=True)
+            self._classes = sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries
+                                   if e.get("type") == "directory")
+        return self._classes
+
+    def _class_of(self, obj: RemoteObject) -> str:
+        relative = posixpath.relpath(obj.path, self._remote.root.rstrip("/"))
+        name, slash, _ = relative.partition("/")
+        if not slash or name not in self.classes():
+            raise CorruptObjectError(f"{obj.path} lies in no class folder of {self.url} (classes: "
+                                     f"{self.classes()}): labels: folder needs <url>/<class>/<object>")
+        return name
+
     def _check_columns(self) -> None:
         present = ["data"]
         if self._labels_from == LABELS_FROM_FOLDER:
-            present.append("label")
+            present.extend(["label", "label_name"])
         elif self._sidecar is not None:
             present.extend(self._sidecar.column_names)
         missing = [c for c in self.columns or () if c not in present]

@@ -2,9 +2,11 @@
 
 Flow: ``list_objects`` lists ``*.parquet``/``*.parq`` under the URL (or the one file it names);
 ``units`` reads an object's footer (one ranged GET of its tail, a second only for footers over
-64 KiB) and caches the parsed metadata; ``read`` fetches the wanted column chunks of one row group,
+64 KiB; over a network the footer's bytes are read once more, see :meth:`RemoteFiles.confirm`) and
+caches the parsed metadata; ``read`` fetches the wanted column chunks of one row group,
 one ranged GET per run of neighbouring chunks (a single GET when all columns are wanted), and
-decodes them with pyarrow.
+decodes them with pyarrow, verifying page CRCs where the file has them (written with
+``write_page_checksum=True``): a damaged unit raises :class:`CorruptObjectError`, never wrong rows.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.parquet import AlreadyBufferedFile
 
-from epochcache.errors import SourceError
+from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
 from epochcache.sources.remote import FileSource
 
@@ -54,11 +56,22 @@ class ParquetSource(FileSource):
         return units
 
     def read(self, unit: Unit) -> pa.Table:
+        """The row group's rows; a damaged page (a CRC mismatch where the file has page checksums, a
+        decompression or decoding failure) raises :class:`CorruptObjectError` naming the unit."""
         metadata = self._metadata(unit.obj)
-        parts = {(start, end): self._fetch(unit.obj.path, start, end)
-                 for start, end in self._byte_ranges(metadata, unit.index)}
+        parts = {(start, end): self._remote.fetch(unit.obj, start, end)
+                 for start, end in self._byte_ranges(metadata, unit)}
         f = _buffered(unit.obj.path, unit.obj.size, parts)
-        table = pq.ParquetFile(f, metadata=metadata).read_row_group(unit.index, columns=self.columns)
+        try:
+            # pre_buffer/use_threads off: the bytes are in memory already, and no pyarrow I/O or CPU
+            # pool thread may outlive the read (one alive at interpreter exit aborts it: exit 134)
+            reader = pq.ParquetFile(f, metadata=metadata, pre_buffer=False, page_checksum_verification=True)
+            table = reader.read_row_group(unit.index, columns=self.columns, use_threads=False)
+        except (pa.ArrowInvalid, OSError, ValueError, IndexError) as exc:
+            # the footer may be what is damaged (it has no checksum): read it afresh on the retry
+            self._metadata.cache_clear()
+            raise CorruptObjectError(f"{unit.obj.path} row group {unit.index} ({unit.key}) is unreadable: "
+                                     f"{' '.join(str(exc).split())}") from exc
         first = sum(metadata.row_group(i).num_rows for i in range(unit.index))
         rows = pa.array(np.arange(first, first + table.num_rows, dtype=np.int64))
         keys = pc.binary_join_element_wise(f"{unit.obj.path}:", pc.cast(rows, pa.string()), "")
@@ -66,19 +79,21 @@ class ParquetSource(FileSource):
 
     def _read_metadata(self, obj: RemoteObject) -> pq.FileMetaData:
         tail_start = max(0, obj.size - _TAIL_BYTES)
-        tail = self._fetch(obj.path, tail_start, obj.size)
+        tail = self._remote.fetch(obj, tail_start, obj.size)
         if len(tail) < 8 or tail[-4:] != b"PAR1":
-            raise SourceError(f"{obj.path} is not a Parquet file (no PAR1 magic at its end)")
+            raise CorruptObjectError(f"{obj.path} is not a Parquet file (no PAR1 magic at its end)")
         needed = int.from_bytes(tail[-8:-4], "little") + 8
         if needed > obj.size:
-            raise SourceError(f"{obj.path} is not a Parquet file (its footer length {needed} exceeds its size)")
+            raise CorruptObjectError(f"{obj.path} is not a Parquet file (its footer length {needed} exceeds "
+                                     "its size)")
         if needed > len(tail):
             tail_start = obj.size - needed
-            tail = self._fetch(obj.path, tail_start, obj.size)
+            tail = self._remote.fetch(obj, tail_start, obj.size)
+        self._remote.confirm(obj, obj.size - needed, tail[len(tail) - needed :])
         try:
             metadata = pq.read_metadata(_buffered(obj.path, obj.size, {(tail_start, obj.size): tail}))
-        except (pa.ArrowInvalid, OSError, ValueError) as exc:
-            raise SourceError(f"{obj.path}: unreadable Parquet footer: {exc}") from exc
+        except (pa.ArrowInvalid, OSError, ValueError, IndexError) as exc:
+            raise CorruptObjectError(f"{obj.path}: unreadable Parquet footer: {' '.join(str(exc).split())}") from exc
         self._check_columns(obj.path, metadata)
         return metadata
 
@@ -92,18 +107,23 @@ class ParquetSource(FileSource):
                 f"source.columns names {missing} absent from {path}: present are {sorted(present)}"
             )
 
-    def _byte_ranges(self, metadata: pq.FileMetaData, index: int) -> list[tuple[int, int]]:
-        """The spans of file bytes holding row group ``index``'s chunks of the wanted columns, one per
+    def _byte_ranges(self, metadata: pq.FileMetaData, unit: Unit) -> list[tuple[int, int]]:
+        """The spans of file bytes holding the unit's row group chunks of the wanted columns, one per
         run of neighbouring chunks: unwanted columns between two runs are skipped, not downloaded,
-        unless the gap is smaller than :data:`_GAP_BYTES` (cheaper to read than to ask twice)."""
-        group = metadata.row_group(index)
+        unless the gap is smaller than :data:`_GAP_BYTES` (cheaper to read than to ask twice).
+        A chunk the footer places outside the file (a damaged footer) is :class:`CorruptObjectError`."""
+        group = metadata.row_group(unit.index)
         spans = []
         for leaf in _leaf_columns(metadata, self.columns):
             chunk = group.column(leaf)
             start = chunk.data_page_offset
             if chunk.has_dictionary_page and chunk.dictionary_page_offset:
                 start = min(start, chunk.dictionary_page_offset)
-            spans.append((start, start + chunk.total_compressed_size))
+            end = start + chunk.total_compressed_size
+            if start < 0 or not start <= end <= unit.obj.size:
+                raise CorruptObjectError(f"{unit.obj.path}: its footer places row group {unit.index}'s column {leaf} "
+                                         f"at bytes {start}-{end}, outside the file's {unit.obj.size}")
+            spans.append((start, end))
         runs: list[tuple[int, int]] = []
         for start, end in sorted(spans):
             if runs and start - runs[-1][1] <= _GAP_BYTES:
@@ -112,8 +132,6 @@ class ParquetSource(FileSource):
                 runs.append((start, end))
         return runs
 
-    def _fetch(self, path: str, start: int, end: int) -> bytes:
-        return self._remote.fetch(path, start, end)
 
 
 def _buffered(path: str, size: int, parts: dict[tuple[int, int], bytes]) -> AlreadyBufferedFile:

@@ -1,26 +1,52 @@
-"""The two primitives every source builds on: list the objects under a URL, read a byte range;
-and :class:`FileSource`, the part every file-format source shares (URL, columns, listing by suffix).
+"""The two primitives every source builds on: list the objects under a URL, read a byte range of
+one listed object; and :class:`FileSource`, the part every file-format source shares (URL, columns,
+listing by suffix).
 
-Errors are translated here, at the boundary: a missing object becomes :class:`ObjectMissingError`,
-a refused one :class:`SourceError` naming the URL; transient failures (5xx, resets, timeouts, a body
-cut short, detected by length) pass through for :mod:`epochcache.retry` to classify and retry.
-Messages carry paths and causes only, never ``storage_options`` (which may hold credentials).
+Errors are translated here, at the boundary: a missing object, or one changed since it was listed,
+becomes :class:`ObjectMissingError` (the daemon skips it for the pass; the next pass's listing sees
+its new version); a refused one, missing credentials or a missing bucket :class:`SourceError`
+naming the URL (configuration: fatal); bytes that fail a store checksum :class:`CorruptObjectError`
+(retried, then the unit is skipped). Transient failures (5xx, resets, timeouts, a body cut short,
+detected by length) pass through for :mod:`epochcache.retry` to classify and retry. Messages carry
+paths and causes only, never ``storage_options`` (which may hold credentials).
+
+Pinning (invariant: bytes of one read all come from the version the listing saw):
+
+- S3: the listing records each object's ETag; every GET carries ``If-Match`` with it, so a rewritten
+  object answers 412 instead of bytes of another version cut at the stale size. (ListObjectsV2
+  names no VersionId; the ETag pins versioned buckets as well.) A whole-object read
+  also checks the body's MD5 against a plain (single-part, not SSE-KMS/SSE-C) ETag; botocore checks
+  an ``x-amz-checksum-*`` the store sends for a whole object.
+- Local files: the etag is ``<mtime>-<size>``; it is compared with a fresh ``stat`` before and after
+  each read.
+- Other filesystems: the etag is recorded when their listing has one, but reads are not pinned;
+  whole-object reads still ask one byte past the listed size, so growth is seen.
+
+Checks against damage in transit: whole objects by their MD5 ETag or store checksum (above);
+metadata that formats leave unguarded (footers) by reading it twice over a network
+(:meth:`RemoteFiles.confirm`); data pages by the format's own checksums (Parquet page CRCs).
+Ranged data reads of a format without checksums (Arrow IPC, Parquet written without page CRCs)
+cannot be verified: the store offers no checksum of a byte range.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import fsspec
 import fsspec.asyn
 
-from epochcache.errors import ObjectMissingError, SourceError
+from epochcache.errors import CorruptObjectError, ObjectMissingError, SourceError
 from epochcache.retry import TruncatedReadError, describe
 from epochcache.sources.base import RemoteObject
 
-
 _PAGE = 1000  # objects per listing page: S3's own page size
+_PLAIN_MD5 = re.compile(r'^"?([0-9a-f]{32})"?$')
+# Server-side encryption under which an S3 ETag is not the MD5 of the body.
+_ETAG_NOT_MD5 = {"aws:kms", "aws:kms:dsse"}
 
 
 async def _take(entries: AsyncIterator[dict[str, Any]], count: int) -> list[dict[str, Any]]:
@@ -33,6 +59,42 @@ async def _take(entries: AsyncIterator[dict[str, Any]], count: int) -> list[dict
     return taken
 
 
+def _etag(info: dict[str, Any]) -> str | None:
+    """The version a listing entry names: its ETag where the store has one, else ``<mtime>-<size>``."""
+    for name in ("ETag", "etag"):
+        if info.get(name):
+            return str(info[name])
+    if info.get("mtime") is not None:
+        return f"{info['mtime']}-{info['size']}"
+    return None
+
+
+def _credentials_error(exc: BaseException) -> bool:
+    """True for botocore's 'no usable credentials' errors (raised raw, not as OSError, by s3fs)."""
+    try:
+        import botocore.exceptions as bex
+    except ImportError:  # no S3 stack installed: nothing of botocore's can have been raised
+        return False
+    return isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError, bex.NoRegionError))
+
+
+def _checksum_error(exc: BaseException) -> bool:
+    """True for botocore's mismatch of an ``x-amz-checksum-*`` the store sent."""
+    try:
+        import botocore.exceptions as bex
+    except ImportError:
+        return False
+    return isinstance(exc, bex.FlexibleChecksumError)
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """True when S3 answered 412 to our If-Match (s3fs hands it on as an OSError caused by it)."""
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    response = getattr(cause, "response", None) or {}
+    return bool(response.get("Error", {}).get("Code") == "PreconditionFailed"
+                or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412)
+
+
 class RemoteFiles:
     """An fsspec filesystem rooted at ``url``: a file, or a folder searched recursively."""
 
@@ -41,13 +103,17 @@ class RemoteFiles:
         self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         if hasattr(self.fs, "retries"):  # s3fs's own retry loop: attempts are counted in epochcache.retry
             self.fs.retries = 1
+        protocols = _protocols(self.fs)
+        self._s3 = "s3" in protocols
+        self._local = bool({"file", "local"} & set(protocols))
 
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
         return f"RemoteFiles({self.url!r})"
 
     def scan(self, suffixes: Sequence[str], kind: str, page_size: int = _PAGE) -> Iterator[list[RemoteObject]]:
         """Objects whose names end with one of ``suffixes``, sorted by path, in pages of up to
-        ``page_size``; ``kind`` names them in the error raised when there are none.
+        ``page_size``, each with its size and etag; ``kind`` names them in the error raised when
+        there are none.
 
         On S3 the listing is streamed page by page (S3 lists keys in order), so a prefix of any size
         is listed in bounded memory; other filesystems are listed whole, then paged.
@@ -55,8 +121,9 @@ class RemoteFiles:
         found = False
         try:
             if self.fs.isfile(self.root):
-                pages: Iterator[list[RemoteObject]] = iter([[RemoteObject(self.root, int(self.fs.size(self.root)))]])
-            elif "s3" in _protocols(self.fs):
+                info = self.fs.info(self.root)
+                pages: Iterator[list[RemoteObject]] = iter([[RemoteObject(self.root, int(info["size"]), _etag(info))]])
+            elif self._s3:
                 pages = self._s3_pages(page_size)
             else:
                 pages = self._find_pages(page_size)
@@ -66,14 +133,20 @@ class RemoteFiles:
                 if matching:
                     yield matching
         except (FileNotFoundError, PermissionError) as exc:
-            raise SourceError(f"cannot list {self.url}: {describe(exc)}") from exc
+            raise SourceError(f"cannot list {self.url}: {describe(exc)}: check source.url, the credentials "
+                              "and the bucket policy") from exc
+        except Exception as exc:
+            if _credentials_error(exc):
+                raise SourceError(f"cannot list {self.url}: {describe(exc)}: give credentials (AWS_* environment, "
+                                  "~/.aws, or source.storage_options key/secret)") from exc
+            raise
         if not found:
             raise SourceError(f"no {kind} files ({', '.join('*' + s for s in suffixes)}) under {self.url}: "
                               "check source.url")
 
     def _find_pages(self, page_size: int) -> Iterator[list[RemoteObject]]:
         found = self.fs.find(self.root, detail=True)
-        objects = sorted((RemoteObject(path, int(info["size"])) for path, info in found.items()
+        objects = sorted((RemoteObject(path, int(info["size"]), _etag(info)) for path, info in found.items()
                           if info.get("type", "file") == "file"), key=lambda o: o.path)
         for start in range(0, len(objects), page_size):
             yield objects[start : start + page_size]
@@ -85,23 +158,101 @@ class RemoteFiles:
         entries = self.fs._iterdir(bucket, delimiter="", prefix=prefix)
         try:
             while page := fsspec.asyn.sync(self.fs.loop, _take, entries, page_size):
-                yield [RemoteObject(e["name"], int(e["size"])) for e in page if e.get("type") == "file"]
+                yield [RemoteObject(e["name"], int(e["size"]), _etag(e)) for e in page if e.get("type") == "file"]
         finally:
             fsspec.asyn.sync(self.fs.loop, entries.aclose)
 
-    def fetch(self, path: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of ``path`` in one ranged read; exactly that many or an error."""
-        try:
-            data = self.fs.cat_file(path, start=start, end=end)
-        except FileNotFoundError as exc:
-            raise ObjectMissingError(f"{self._url(path)} is gone (deleted since it was listed?): "
-                                     f"{describe(exc)}") from exc
-        except PermissionError as exc:
-            raise SourceError(f"cannot read {self._url(path)}: {describe(exc)}: check the credentials and "
-                              "the bucket policy") from exc
+    def fetch(self, obj: RemoteObject, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the listed version of ``obj`` in one ranged read; exactly that
+        many or an error (:class:`ObjectMissingError` if the object changed since it was listed)."""
+        data = self._read(obj, start, end, whole=False)
         if len(data) != end - start:
-            raise TruncatedReadError(f"{self._url(path)} bytes {start}-{end}: got {len(data)} bytes")
+            raise TruncatedReadError(f"{self._url(obj.path)} bytes {start}-{end}: got {len(data)} bytes")
         return data
+
+    def confirm(self, obj: RemoteObject, start: int, data: bytes) -> None:
+        """Check bytes no checksum guards (a Parquet or Arrow footer, which every later read of the
+        object trusts) by reading them again: over a network the two reads must agree, else
+        :class:`CorruptObjectError` (retried). Local files are not re-read: no transit to damage them."""
+        if not self._local and self.fetch(obj, start, start + len(data)) != data:
+            raise CorruptObjectError(f"{self._url(obj.path)} bytes {start}-{start + len(data)}: two reads of its "
+                                     "metadata differ: damaged in transit")
+
+    def fetch_whole(self, obj: RemoteObject) -> bytes:
+        """All bytes of the listed version of ``obj``, checked against what the store offers (a
+        plain-MD5 ETag, an ``x-amz-checksum-*``); one byte past the listed size is asked for, so an
+        object that grew since listing is seen (:class:`ObjectMissingError`), never cut."""
+        data = self._read(obj, 0, obj.size + 1, whole=True)
+        if len(data) > obj.size:
+            raise self._changed(obj, f"it is now over {obj.size} bytes")
+        if len(data) < obj.size:
+            raise TruncatedReadError(f"{self._url(obj.path)}: got {len(data)} of {obj.size} bytes")
+        return data
+
+    def _read(self, obj: RemoteObject, start: int, end: int, whole: bool) -> bytes:
+        url = self._url(obj.path)
+        try:
+            if self._s3:
+                return self._s3_read(obj, start, end, whole)
+            if self._local:
+                self._check_local(obj)
+                data = self.fs.cat_file(obj.path, start=start, end=end)
+                self._check_local(obj)
+                return bytes(data)
+            return bytes(self.fs.cat_file(obj.path, start=start, end=end))
+        except FileNotFoundError as exc:
+            raise ObjectMissingError(f"{url} is gone (deleted since it was listed?): {describe(exc)}") from exc
+        except PermissionError as exc:
+            raise SourceError(f"cannot read {url}: {describe(exc)}: check the credentials and "
+                              "the bucket policy") from exc
+        except OSError as exc:
+            if _precondition_failed(exc):
+                raise self._changed(obj, "its ETag no longer matches") from exc
+            raise
+        except Exception as exc:
+            if _credentials_error(exc):
+                raise SourceError(f"cannot read {url}: {describe(exc)}: give credentials") from exc
+            if _checksum_error(exc):
+                raise CorruptObjectError(f"{url}: the store's checksum does not match the bytes read: "
+                                         f"{describe(exc)}") from exc
+            raise
+
+    def _s3_read(self, obj: RemoteObject, start: int, end: int, whole: bool) -> bytes:
+        data, reply = fsspec.asyn.sync(self.fs.loop, self._s3_get, obj, start, end, whole)
+        if whole and len(data) == obj.size:
+            md5 = _PLAIN_MD5.match(str(reply.get("ETag", "")))
+            encrypted = reply.get("ServerSideEncryption") in _ETAG_NOT_MD5 or reply.get("SSECustomerAlgorithm")
+            if md5 and not encrypted and hashlib.md5(data).hexdigest() != md5.group(1):
+                raise CorruptObjectError(f"{self._url(obj.path)}: its bytes do not match its ETag (MD5 "
+                                         f"{md5.group(1)}): damaged in transit")
+        return data
+
+    async def _s3_get(self, obj: RemoteObject, start: int, end: int, whole: bool) -> tuple[bytes, dict[str, Any]]:
+        """One GetObject, pinned by If-Match. A whole object pinned so is asked for without a Range:
+        S3 sends (and botocore checks) its ``x-amz-checksum-*`` only for an unranged GET."""
+        bucket, key, _ = self.fs.split_path(obj.path)
+        request: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        unranged = (whole and obj.etag) or (start == 0 and obj.size == 0)  # an empty object has no byte to range
+        if not unranged:
+            request["Range"] = f"bytes={start}-{end - 1}"
+        if obj.etag:
+            request["IfMatch"] = obj.etag
+        reply = await self.fs._call_s3("get_object", **request)
+        try:
+            data = await reply["Body"].read()
+        finally:
+            reply["Body"].close()
+        return data, reply
+
+    def _check_local(self, obj: RemoteObject) -> None:
+        if obj.etag is not None:
+            now = _etag(self.fs.info(obj.path))
+            if now != obj.etag:
+                raise self._changed(obj, f"its mtime-size went from {obj.etag} to {now}")
+
+    def _changed(self, obj: RemoteObject, how: str) -> ObjectMissingError:
+        return ObjectMissingError(f"{self._url(obj.path)} changed since it was listed ({how}): skipped for this "
+                                  "pass; the next pass lists and reads its new version")
 
     def _url(self, path: str) -> str:
         protocol = _protocols(self.fs)[0]
