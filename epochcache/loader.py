@@ -4,8 +4,8 @@ Each epoch's shard set is a ledger snapshot taken together with a lease on exact
 the daemon cannot evict them mid-epoch; a heartbeat thread renews the lease. A finished epoch's
 lease is released, and its batch thread or workers stopped, in the background once the next epoch's
 first batch is out (or at :meth:`EpochCachedLoader.close`), so that work never delays that batch;
-an epoch left early is released at once, and a killed trainer's lease simply expires. When ``loader.prepare_next_at`` of an
-epoch's batches are consumed, a background thread snapshots the next epoch, builds its dataset and
+an epoch left early is released at once, and a killed trainer's lease simply expires. When
+``loader.prepare_next_at`` of an epoch's batches are consumed, a background thread snapshots the next epoch, builds its dataset and
 order and starts its batches (the batch thread, or the DataLoader workers, which the main thread
 forks at the next batch boundary), so the next epoch starts without a stall.
 
@@ -40,18 +40,20 @@ from pydantic import ValidationError
 from torch.utils.data import DataLoader
 
 from epochcache.config import LoaderConfig, format_validation_error, load_config
-from epochcache.dataset import OpenShards, ShardSetDataset
+from epochcache.dataset import ShardSetDataset
 from epochcache.device import pin_batch, pinning_available, to_device
 from epochcache.distributed import Peers
 from epochcache.errors import CacheEmptyError, ConfigError, LoaderError, ShardCorruptError
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Lease, Ledger, ShardRecord
+from epochcache.mappings import DEFAULT_MAX_OPEN_SHARDS, ShardMaps
 from epochcache.order import EpochBatches, batch_count, epoch_order, rank_part
 from epochcache.prefetch import BatchThread
-from epochcache.quarantine import quarantine_shard
+from epochcache.quarantine import QuarantineUnreadable, quarantine_shard
 from epochcache.resume import Progress, read_state, snapshot_id
-from epochcache.shards import verify_shard
+from epochcache.shards import open_shard, verify_shard
 from epochcache.slots import NumberedBatches, SlotDataset, SlotRing
+from epochcache.sources.base import KEY_COLUMN
 from epochcache.transform import BatchTransform, SampleTransform, TransformedDataset
 from epochcache.waiting import wait_for_samples
 from epochcache.wire import from_wire, to_wire
@@ -166,7 +168,8 @@ class EpochCachedLoader:
         self._next: tuple[int, Future[_Epoch]] | None = None
         self._retiring: _Epoch | None = None  # the last epoch, done but its batch source not yet stopped
         self._verified: set[str] = set()
-        self._opened = OpenShards()  # shard mappings the batch thread reuses from epoch to epoch
+        # shard mappings the batch thread reuses from epoch to epoch, at most max_open_shards of them
+        self._maps: ShardMaps[Any] = ShardMaps(getattr(self.config, "max_open_shards", DEFAULT_MAX_OPEN_SHARDS))
         self._held: set[str] = set()
         self._held_lock = threading.Lock()
         self._closed = threading.Event()
@@ -330,9 +333,10 @@ class EpochCachedLoader:
         lease = self._snapshot(epoch)
         try:
             records = self._agreed_records(lease, resume)
+            self._check_one_schema(records)
             dataset = ShardSetDataset(
                 [self._layout.shards / r.filename for r in records], [r.rows for r in records], self.config.columns,
-                self._opened,
+                self._maps, QuarantineUnreadable(self._layout.root),
             )
             sampler = self._sampler(len(dataset), epoch, resume.position if resume else 0)
             info = EpochInfo(
@@ -361,6 +365,24 @@ class EpochCachedLoader:
                 f"{resume.epoch + 1}, 'position': 0, 'shards': None, 'snapshot': None}})"
             )
         return [usable[i] for i in sorted(resume.shards)]
+
+    def _check_one_schema(self, records: list[ShardRecord]) -> None:
+        """A :class:`LoaderError` if the records name two schema fingerprints (the ledger's, so this
+        reads no shard unless there is a conflict to describe); shards of unknown schema ("") are
+        checked by the dataset as it opens them."""
+        first: dict[str, ShardRecord] = {}
+        for record in records:
+            if record.schema:
+                first.setdefault(record.schema, record)
+        if len(first) > 1:
+            counts = {fp: sum(r.schema == fp for r in records) for fp in first}
+            (a, one), (b, two) = list(first.items())[:2]
+            raise LoaderError(
+                f"the cache {self._layout.root} holds shards of {len(first)} schemas: {counts[a]} shards with "
+                f"{_schema_of(self._layout, one)}, {counts[b]} with {_schema_of(self._layout, two)} (it was filled "
+                "under different source columns or sources); empty it with `epochcache clear`, or give "
+                "cache.dir a new directory"
+            )
 
     def _sampler(self, samples: int, epoch: int, start: int) -> EpochBatches:
         cfg, peers = self.config, self._peers
@@ -456,3 +478,11 @@ class EpochCachedLoader:
                         log.warning("lease %s expired before renewal (process stalled longer than "
                                     "loader.lease_ttl_s?): its shards may be evicted", lease_id)
 
+
+def _schema_of(layout: CacheLayout, record: ShardRecord) -> str:
+    """A shard's columns as ``[name: type, ...]``, for a message."""
+    try:
+        schema = open_shard(layout.shards / record.filename).schema
+    except (ShardCorruptError, OSError) as exc:
+        return f"schema {record.schema} (shard {record.filename} unreadable: {exc})"
+    return "[" + ", ".join(f"{f.name}: {f.type}" for f in schema if f.name != KEY_COLUMN) + "]"

@@ -10,12 +10,15 @@ from pathlib import Path
 import fsspec
 import pyarrow as pa
 import pytest
+import torch
+from conftest import DaemonThread, UnitLog, make_table, wait_for, write_parquet_dataset
 
 import epochcache.shards as shards
-from conftest import DaemonThread, UnitLog, wait_for, write_parquet_dataset
 from epochcache import EpochCachedLoader, Ledger, SyncDaemon
 from epochcache.config import Config
+from epochcache.errors import LoaderError
 from epochcache.layout import TMP_SUFFIX, CacheLayout
+from epochcache.ledger import ShardRecord
 from epochcache.repair import check
 
 FILES, GROUPS, ROWS_PER_GROUP = 4, 4, 128  # 2048 samples of ~800 bytes
@@ -103,3 +106,64 @@ def test_disk_full_publishes_nothing_backs_off_and_resumes(
     published = [u for r in ledger.shards() for u in r.units]
     assert len(published) == len(set(published)) == len(units.published)
     ledger.close()
+
+
+# -- one schema per epoch (issue 9, item 1) ----------------------------------------------------------
+
+
+def _publish(layout: CacheLayout, ledger: Ledger, shard_id: str, table: pa.Table, known_schema: bool) -> None:
+    """Write ``table`` as a published shard of ``layout``; its record carries the schema fingerprint
+    when ``known_schema`` (as the publisher records it), else "" (a cache from before fingerprints)."""
+    table = table.combine_chunks()
+    checksum = shards.write_shard(table, layout.tmp_path(shard_id), lambda c: layout.shard_path(shard_id, c))
+    path = layout.shard_path(shard_id, checksum)
+    ledger.adopt([ShardRecord(
+        id=shard_id, filename=path.name, nbytes=path.stat().st_size, rows=table.num_rows, created=0.0,
+        checksum=checksum, units=(shard_id,), schema=shards.schema_fingerprint(table.schema) if known_schema else "",
+        verified=True,
+    )])
+
+
+def _mixed_cache(tmp_path: Path, later: pa.Table, known_schema: bool) -> Path:
+    """A cache of two shards of ``make_table`` rows followed by one shard of ``later``."""
+    layout = CacheLayout.create(tmp_path / "cache")
+    ledger = Ledger(layout.ledger)
+    _publish(layout, ledger, "a0", make_table(50, 0), known_schema)
+    _publish(layout, ledger, "a1", make_table(50, 50), known_schema)
+    _publish(layout, ledger, "b0", later, known_schema)
+    ledger.close()
+    return layout.root
+
+
+def test_a_cache_refilled_with_fewer_columns_is_refused_not_invented(tmp_path: Path) -> None:
+    # issue 9 item 1: filled with [image, id], synced on with [image]: batches drew "id" from no shard
+    root = _mixed_cache(tmp_path, make_table(50, 100).select(["image"]), known_schema=True)
+    with EpochCachedLoader(root, batch_size=40, shuffle=False, wait_timeout_s=5) as loader:
+        with pytest.raises(LoaderError, match=r"2 schemas.*id: int64.*epochcache clear") as caught:
+            next(iter(loader))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("later", [
+    make_table(50, 100).select(["image"]),  # a column missing
+    make_table(50, 100).set_column(1, "id", pa.array([str(i) for i in range(100, 150)])),  # another type
+], ids=["fewer-columns", "other-type"])
+def test_shards_of_unknown_schema_that_differ_give_a_loader_error(tmp_path: Path, later: pa.Table) -> None:
+    # Records without fingerprints (older caches): the dataset checks each shard as it maps it.
+    root = _mixed_cache(tmp_path, later, known_schema=False)
+    seen: list[int] = []
+    with EpochCachedLoader(root, batch_size=40, shuffle=False, wait_timeout_s=5) as loader:
+        with pytest.raises(LoaderError, match=r"two schemas.*epochcache clear"):
+            for batch in loader:
+                seen.extend(batch["id"].tolist())
+    assert seen == list(range(len(seen))) and len(seen) < 150, "only values read from shards, never invented"
+
+
+def test_one_schema_gathers_every_column_from_every_shard(tmp_path: Path) -> None:
+    root = _mixed_cache(tmp_path, make_table(50, 100), known_schema=True)
+    with EpochCachedLoader(root, batch_size=64, shuffle=True, wait_timeout_s=5) as loader:
+        batches = list(loader)
+    ids = torch.cat([b["id"] for b in batches])
+    assert sorted(ids.tolist()) == list(range(150))
+    pixels = torch.cat([b["image"] for b in batches])[:, 0, 0, 0]
+    assert torch.equal(pixels, (ids % 251).to(torch.uint8))
