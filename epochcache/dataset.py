@@ -43,7 +43,9 @@ from epochcache.sources.base import KEY_COLUMN
 
 log = logging.getLogger(__name__)
 
-Batch = dict[str, torch.Tensor | pa.Array | list[pa.Buffer | None] | list[str | None]]
+# Column name -> a tensor, a list of str or of pyarrow.Buffer, or a pyarrow array (by the column's
+# type, see the module docstring): Any, so that callers index a batch without narrowing a union.
+Batch = dict[str, Any]
 Column = Union[np.ndarray, pa.Array, "BufferColumn", "StringColumn"]
 Views = dict[str, Column]
 

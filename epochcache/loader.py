@@ -5,8 +5,8 @@ the daemon cannot evict them mid-epoch; a heartbeat thread renews the lease. A f
 lease is released, and its batch thread or workers stopped, in the background once the next epoch's
 first batch is out (or at :meth:`EpochCachedLoader.close`), so that work never delays that batch;
 an epoch left early is released at once, and a killed trainer's lease simply expires. When
-``loader.prepare_next_at`` of an epoch's batches are consumed, a background thread snapshots the next epoch, builds its dataset and
-order and starts its batches (the batch thread, or the DataLoader workers, which the main thread
+``loader.prepare_next_at`` of an epoch's batches are consumed, a background thread snapshots the
+next epoch, builds its dataset and order and starts its batches (the batch thread, or the DataLoader workers, which the main thread
 forks at the next batch boundary), so the next epoch starts without a stall.
 
 Two modes: without a user transform, batches are built in this process on a background thread

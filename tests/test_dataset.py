@@ -82,7 +82,9 @@ def test_binary_column_comes_as_zero_copy_buffers(tmp_path: Path) -> None:
     ds = ShardSetDataset([tmp_path / "t.arrow"], [3])
     blobs = ds.__getitems__([1, 2])["blob"]
     assert all(isinstance(b, pa.Buffer) for b in blobs) and [bytes(b) for b in blobs] == [b"cde", b"f"]
-    mapped = ds._views(0)["blob"]._data  # the shard's one mapped data buffer
+    views = ds._views(0)
+    assert views is not None
+    mapped = views["blob"]._data  # type: ignore[union-attr]  # the shard's one mapped data buffer
     assert mapped.address <= blobs[0].address < mapped.address + mapped.size, "a slice of the mapping, not a copy"
 
 
