@@ -79,12 +79,18 @@ class ShardSetDataset(Dataset[Batch]):
         self._schema_path = ""
         self._template: Views | None = None
         self._unreadable: set[int] = set()
+        self._key = None if self._columns is None else tuple(self._columns)
+        # A dataset of at most max_open_shards shards also holds its views itself, by shard number:
+        # the gather then skips the shared LRU's lock and bookkeeping, once per shard touched per batch.
+        # Its mappings stay within the bound; a larger dataset goes through the LRU every time.
+        self._held: list[Views | None] | None = [None] * len(self._paths) if len(self._paths) <= self._max_open else None
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_maps": None, "_template": None}
+        held = None if self._held is None else [None] * len(self._held)
+        return {**self.__dict__, "_maps": None, "_template": None, "_held": held}
 
     def __getitem__(self, index: int) -> Batch:
         batch = self.__getitems__([index])
@@ -157,20 +163,24 @@ class ShardSetDataset(Dataset[Batch]):
 
     def _views(self, number: int) -> Views | None:
         """Shard ``number``'s column views, mapped if not open; None if it cannot be read."""
+        if self._held is not None and self._held[number] is not None:
+            return self._held[number]
         if number in self._unreadable:
             return None
         if self._maps is None:
             self._maps = ShardMaps(self._max_open)
         path = self._paths[number]
         try:
-            return self._maps.get((path, None if self._columns is None else tuple(self._columns)),
-                                  lambda: self._open_one(path))
+            views = self._maps.get((path, self._key), lambda: self._open_one(path))
         except (ShardCorruptError, FileNotFoundError) as exc:
             self._unreadable.add(number)
             log.warning("shard %s cannot be read, its rows are left out of this epoch: %s", path, exc)
             if self._on_unreadable is not None:
                 self._on_unreadable(path, exc)
             return None
+        if self._held is not None:
+            self._held[number] = views
+        return views
 
     def _open_one(self, path: str) -> Views:
         table = open_shard(Path(path))
