@@ -83,7 +83,8 @@ class ShardSetDataset(Dataset[Batch]):
         # A dataset of at most max_open_shards shards also holds its views itself, by shard number:
         # the gather then skips the shared LRU's lock and bookkeeping, once per shard touched per batch.
         # Its mappings stay within the bound; a larger dataset goes through the LRU every time.
-        self._held: list[Views | None] | None = [None] * len(self._paths) if len(self._paths) <= self._max_open else None
+        fits = len(self._paths) <= self._max_open
+        self._held: list[Views | None] | None = [None] * len(self._paths) if fits else None
 
     def __len__(self) -> int:
         return int(self._offsets[-1])

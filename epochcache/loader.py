@@ -6,8 +6,14 @@ lease is released, and its batch thread or workers stopped, in the background on
 first batch is out (or at :meth:`EpochCachedLoader.close`), so that work never delays that batch;
 an epoch left early is released at once, and a killed trainer's lease simply expires. When
 ``loader.prepare_next_at`` of an epoch's batches are consumed, a background thread snapshots the
-next epoch, builds its dataset and order and starts its batches (the batch thread, or the DataLoader workers, which the main thread
-forks at the next batch boundary), so the next epoch starts without a stall.
+next epoch, builds its dataset and order and starts its batches (the batch thread, or the DataLoader
+workers, which the main thread forks at the next batch boundary), so the next epoch starts without a
+stall.
+
+Integrity: an epoch's shards must share one schema (else a :class:`LoaderError` naming both); a
+shard whose file is missing or not at its recorded size is quarantined and left out; nothing is
+checksummed before the first batch: shards not yet verified on this host are checksummed after it by
+a :class:`~epochcache.verifier.BackgroundVerifier` (local rank 0 only), which quarantines failures.
 
 Two modes: without a user transform, batches are built in this process on a background thread
 (Arrow/numpy gathers release the GIL); with one (``transform`` per batch, ``sample_transform`` per
@@ -51,10 +57,11 @@ from epochcache.order import EpochBatches, batch_count, epoch_order, rank_part
 from epochcache.prefetch import BatchThread
 from epochcache.quarantine import QuarantineUnreadable, quarantine_shard
 from epochcache.resume import Progress, read_state, snapshot_id
-from epochcache.shards import open_shard, verify_shard
+from epochcache.shards import open_shard
 from epochcache.slots import NumberedBatches, SlotDataset, SlotRing
 from epochcache.sources.base import KEY_COLUMN
 from epochcache.transform import BatchTransform, SampleTransform, TransformedDataset
+from epochcache.verifier import BackgroundVerifier
 from epochcache.waiting import wait_for_samples
 from epochcache.wire import from_wire, to_wire
 
@@ -97,9 +104,10 @@ class _Epoch:
 
     def __init__(
         self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], loader: DataLoader[Any] | BatchThread | None,
-        pin: bool, ring: SlotRing | None = None,
+        pin: bool, ring: SlotRing | None = None, unverified: tuple[ShardRecord, ...] = (),
     ):
         self.info, self.lease, self.shards, self._loader, self._pin = info, lease, shards, loader, pin
+        self.unverified = unverified  # the epoch's shards not yet checksummed on this host
         self._unwrap = ring.receive if ring is not None else from_wire
         self._iterator: Iterator[Any] | None = loader if isinstance(loader, BatchThread) else None
 
@@ -167,7 +175,9 @@ class EpochCachedLoader:
         self._resume: Progress | None = None
         self._next: tuple[int, Future[_Epoch]] | None = None
         self._retiring: _Epoch | None = None  # the last epoch, done but its batch source not yet stopped
-        self._verified: set[str] = set()
+        self._present_ids: set[str] = set()  # shards whose file this loader found at its size
+        # one checksumming thread per host (local rank 0), started on each epoch's first batch
+        self._verifier = BackgroundVerifier(self._layout, self._ledger) if self._peers.local_rank == 0 else None
         # shard mappings the batch thread reuses from epoch to epoch, at most max_open_shards of them
         self._maps: ShardMaps[Any] = ShardMaps(getattr(self.config, "max_open_shards", DEFAULT_MAX_OPEN_SHARDS))
         self._held: set[str] = set()
@@ -217,6 +227,8 @@ class EpochCachedLoader:
             for number, batch in enumerate(stream, start=info.start_batch):
                 if number == info.start_batch:
                     self._last = replace(info, first_batch_wait_s=time.monotonic() - started)
+                    if self._verifier is not None:  # never before the first batch (see epochcache.verifier)
+                        self._verifier.submit(current.unverified)
                 if number >= trigger:
                     self._prepare_ahead(epoch + 1)
                     self._start_prepared()
@@ -274,6 +286,8 @@ class EpochCachedLoader:
         self._cleanup_pool.shutdown(wait=True)
         self._build_pool.shutdown(wait=True)
         self._heartbeat.join()
+        if self._verifier is not None:
+            self._verifier.close()
         with self._held_lock:
             for lease_id in self._held:
                 self._ledger.release(lease_id)
@@ -345,14 +359,15 @@ class EpochCachedLoader:
                 snapshot=snapshot_id([r.id for r in records]), start_batch=min(sampler.start, sampler.count),
             )
             source, ring = self._batch_source(dataset, sampler)
-            return _Epoch(info, lease, tuple(r.id for r in records), source, self._pin, ring)
+            unverified = tuple(r for r in records if not r.verified)
+            return _Epoch(info, lease, tuple(r.id for r in records), source, self._pin, ring, unverified)
         except BaseException:
             self._release(lease.id)
             raise
 
     def _agreed_records(self, lease: Lease, resume: Progress | None) -> list[ShardRecord]:
         """The epoch's shards, sorted by id: the node's agreed set, or the resumed epoch's exact set."""
-        usable = {r.id: r for r in lease.shards if self._verify(r)}
+        usable = {r.id: r for r in lease.shards if self._present(r)}
         common = self._peers.common_shards(list(usable))
         if resume is None:
             return [usable[i] for i in common]
@@ -436,16 +451,22 @@ class EpochCachedLoader:
                     "is `epochcache sync` running on this cache dir? (loader.wait_timeout_s sets the wait)"
                 )
 
-    def _verify(self, record: ShardRecord) -> bool:
-        """Check a shard's checksum the first time this loader uses it; False if bad (it is quarantined)."""
-        if record.id in self._verified:
+    def _present(self, record: ShardRecord) -> bool:
+        """Whether a shard's file is there at its recorded size (one stat, the first time this loader
+        uses it); if not, it is quarantined. Its checksum is the background verifier's business."""
+        if record.id in self._present_ids:
             return True
+        path = self._layout.shards / record.filename
         try:
-            verify_shard(self._layout.shards / record.filename, record.checksum)
-        except (ShardCorruptError, FileNotFoundError) as exc:
+            size = path.stat().st_size
+        except FileNotFoundError as exc:
             quarantine_shard(self._layout, self._ledger, record, f"skipped by an epoch: {exc}")
             return False
-        self._verified.add(record.id)
+        if size != record.nbytes:
+            reason = f"skipped by an epoch: {path} holds {size} bytes, the ledger recorded {record.nbytes} (truncated?)"
+            quarantine_shard(self._layout, self._ledger, record, reason)
+            return False
+        self._present_ids.add(record.id)
         return True
 
     def _retire_previous(self) -> None:

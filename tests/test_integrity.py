@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import fsspec
@@ -43,29 +44,70 @@ def test_corrupt_shards_are_quarantined_and_the_epoch_completes(
     layout = CacheLayout(Path(config.cache.dir))
     ledger = Ledger(layout.ledger)
     records = ledger.shards()
-    assert len(records) >= 4
-    flipped, truncated = records[1], records[2]
+    assert len(records) >= 5 and all(r.verified for r in records), "the publisher checksummed what it wrote"
+    flipped, truncated, garbled = records[1], records[2], records[3]
     data = bytearray((layout.shards / flipped.filename).read_bytes())
     data[len(data) // 3] ^= 0x10
     (layout.shards / flipped.filename).write_bytes(bytes(data))
+    ledger.adopt([replace(flipped, verified=False)])  # e.g. adopted after a crash: not checked on this host
     path = layout.shards / truncated.filename
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    path = layout.shards / garbled.filename
+    path.write_bytes(path.read_bytes()[:-64] + b"\0" * 64)  # same size, its footer gone: no longer Arrow
 
     with EpochCachedLoader(config.cache.dir, batch_size=100, shuffle=False, wait_timeout_s=10) as loader:
-        first = _ids(list(loader))
+        first = list(loader)
         info = loader.last_epoch
+        # the unverified shard is checksummed after the first batch, off the batch path, and quarantined
+        wait_for(lambda: flipped.id in {q.record.id for q in ledger.quarantined()}, timeout=10)
         second = _ids(list(loader))
         assert loader.last_epoch is not None and loader.last_epoch.skipped_shards == 0
 
-    bad_rows = flipped.rows + truncated.rows
-    assert info is not None and info.skipped_shards == 2 and info.shards == len(records) - 2
-    assert len(first) == FILES * GROUPS * ROWS_PER_GROUP - bad_rows == len(set(first))
-    assert second == first  # the next epoch's snapshot no longer holds them
-    assert {q.record.id for q in ledger.quarantined()} == {flipped.id, truncated.id}
-    assert sorted(p.name for p in layout.quarantine.iterdir()) == sorted([flipped.filename, truncated.filename])
-    assert ledger.counters()["quarantined"] == 2
-    assert ledger.usage().quarantined_bytes == flipped.nbytes + truncated.nbytes  # still inside the budget
+    assert info is not None and info.skipped_shards == 1 and info.shards == len(records) - 1  # the truncated one
+    assert sum(len(b["id"]) for b in first) == FILES * GROUPS * ROWS_PER_GROUP - truncated.rows - garbled.rows
+    bad_rows = flipped.rows + truncated.rows + garbled.rows
+    assert len(second) == FILES * GROUPS * ROWS_PER_GROUP - bad_rows == len(set(second))
+    assert {q.record.id for q in ledger.quarantined()} == {flipped.id, truncated.id, garbled.id}
+    assert sorted(p.name for p in layout.quarantine.iterdir()) == sorted(
+        [flipped.filename, truncated.filename, garbled.filename]
+    )
+    assert ledger.counters()["quarantined"] == 3
+    assert ledger.usage().quarantined_bytes == flipped.nbytes + truncated.nbytes + garbled.nbytes  # in the budget
     assert check(layout, ledger, checksums=True).problems == 0
+    ledger.close()
+
+
+def test_shards_are_checksummed_after_the_first_batch_once_per_host(
+    remote: str, make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = make_config(remote, **{"cache.max_bytes": "20MB", "cache.shard_bytes": "200KB"})
+    SyncDaemon(config, progress=False).run(once=True)
+    ledger = Ledger(CacheLayout(Path(config.cache.dir)).ledger)
+    records = ledger.shards()
+    ledger.adopt([replace(r, verified=False) for r in records])  # as if written by an older version
+    first_batch_out = threading.Event()
+    checked: list[tuple[str, bool]] = []  # (file, whether the first batch was out when it was checked)
+    real_verify = shards.verify_shard
+
+    def recording_verify(path: Path, checksum: str) -> None:
+        # Waits (bounded) for the test to see the first batch: a check made before that batch would
+        # find the event unset after the wait and be recorded as too early.
+        checked.append((path.name, first_batch_out.wait(timeout=5)))
+        real_verify(path, checksum)
+
+    monkeypatch.setattr("epochcache.verifier.verify_shard", recording_verify)
+    with EpochCachedLoader(config.cache.dir, batch_size=100, wait_timeout_s=10) as loader:
+        batches = iter(loader)
+        next(batches)
+        first_batch_out.set()
+        wait_for(lambda: all(r.verified for r in ledger.shards()), timeout=10)
+        list(batches)
+        list(loader)  # a second epoch checks nothing again
+    assert sorted(name for name, _ in checked) == sorted(r.filename for r in records)
+    assert all(after for _, after in checked), "no checksum before the first batch"
+    with EpochCachedLoader(config.cache.dir, batch_size=100, wait_timeout_s=10) as loader:
+        list(loader)
+    assert len(checked) == len(records), "verified once per host: a later loader checks nothing"
     ledger.close()
 
 

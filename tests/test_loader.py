@@ -118,15 +118,14 @@ def test_workers_mode_yields_every_sample(synced: Config) -> None:
         assert sorted(_epoch_ids(loader)) == list(range(ROWS))
 
 
-def test_corrupt_shard_is_skipped_and_epoch_completes(synced: Config) -> None:
+def test_truncated_shard_is_skipped_and_epoch_completes(synced: Config) -> None:
+    # (bit flips in a shard verified at write are `epochcache verify`'s to find: see test_integrity)
     layout = CacheLayout(Path(synced.cache.dir))
     ledger = Ledger(layout.ledger)
     victim = ledger.shards()[0]
     ledger.close()
     path = layout.shards / victim.filename
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    path.write_bytes(path.read_bytes()[:-100])
     with EpochCachedLoader(synced.cache.dir, batch_size=64) as loader:
         ids = _epoch_ids(loader)
         assert loader.last_epoch.skipped_shards == 1
