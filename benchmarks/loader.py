@@ -122,6 +122,7 @@ def time_to_first_batch(remote: Path, cache: Path, size: int, shard_bytes: str) 
     """Seconds from starting the daemon (a forked process: imports done) and the loader together on an
     empty cache to the first batch, and to the daemon's first published shard (its part of the wait)."""
     config = config_for(remote, cache, size, shard_bytes)
+    CacheLayout.create(cache)  # the loader refuses a cache dir no daemon has made yet
     fork = multiprocessing.get_context("fork")
     published = fork.Queue()
     started = time.perf_counter()

@@ -62,7 +62,7 @@ from epochcache.slots import NumberedBatches, SlotDataset, SlotRing
 from epochcache.sources.base import KEY_COLUMN
 from epochcache.transform import BatchTransform, SampleTransform, TransformedDataset
 from epochcache.verifier import BackgroundVerifier
-from epochcache.waiting import wait_for_samples
+from epochcache.waiting import Patience, wait_for_samples
 from epochcache.wire import from_wire, to_wire
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,12 @@ class EpochCachedLoader:
         except ValidationError as exc:
             raise ConfigError(f"EpochCachedLoader: {format_validation_error(exc)}") from None
         self._transform, self._sample_transform = transform, sample_transform
-        self._layout = CacheLayout.create(Path(cache_dir))
+        self._layout = CacheLayout(Path(cache_dir).resolve())
+        if not self._layout.shards.is_dir():  # only the daemon creates a cache: a typo must not make one
+            raise LoaderError(
+                f"no cache at {str(cache_dir)!r} ({self._layout.shards} does not exist): check cache.dir, "
+                "or start `epochcache sync` with it first (the daemon creates the cache)"
+            )
         self._ledger = Ledger(self._layout.ledger)
         self._peers = Peers.discover(self._layout.root)
         self._owner = f"{socket.gethostname()}:{os.getpid()}"
@@ -436,8 +441,9 @@ class EpochCachedLoader:
         ), ring
 
     def _snapshot(self, epoch: int) -> Lease:
-        """A lease on a non-empty shard set, waiting up to ``wait_timeout_s`` for the first shard."""
-        deadline = time.monotonic() + self.config.wait_timeout_s
+        """A lease on a non-empty shard set, waiting for the first shard while a daemon runs (up to
+        ``wait_timeout_s``; see :class:`epochcache.waiting.Patience`)."""
+        patience = Patience(self._layout, self.config.wait_timeout_s)
         while True:
             lease = self._ledger.snapshot(f"{self._owner}:epoch{epoch}", self.config.lease_ttl_s)
             with self._held_lock:
@@ -445,10 +451,16 @@ class EpochCachedLoader:
             if lease.shards:
                 return lease
             self._release(lease.id)
-            if time.monotonic() >= deadline or self._closed.wait(_EMPTY_POLL_S):
+            why = patience.over()
+            if why is not None or self._closed.wait(_EMPTY_POLL_S):
+                if why == "no daemon":
+                    raise CacheEmptyError(
+                        f"no shard in {self._layout.root} after {patience.elapsed():.0f}s and no sync daemon runs "
+                        "on it: start `epochcache sync` with this cache.dir"
+                    )
                 raise CacheEmptyError(
-                    f"no shard appeared in {self._layout.root} within {self.config.wait_timeout_s:g}s: "
-                    "is `epochcache sync` running on this cache dir? (loader.wait_timeout_s sets the wait)"
+                    f"no shard appeared in {self._layout.root} within {self.config.wait_timeout_s:g}s while "
+                    "`epochcache sync` runs on it (loader.wait_timeout_s sets the wait): check `epochcache status`"
                 )
 
     def _present(self, record: ShardRecord) -> bool:
