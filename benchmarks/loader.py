@@ -158,7 +158,8 @@ def main() -> None:
     parser.add_argument("--shard-bytes", default="64MB",
                         help="cache.shard_bytes of the warm cache (default 64MB, the config default)")
     parser.add_argument("--cold-shard-bytes", default="64MB",
-                        help="cache.shard_bytes for the time to first batch on an empty cache (default 64MB, the config default)")
+                        help="cache.shard_bytes for the time to first batch on an empty cache "
+                             "(default 64MB, the config default)")
     parser.add_argument("--dir", help="work dir (default: a temporary one)")
     args = parser.parse_args()
     size = int(TypeAdapter(ByteSize).validate_python(args.size))
@@ -207,8 +208,10 @@ def report(rows: int, size: int, numpy_rate: float, modes: list[dict[str, Any]],
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({
         "rows": rows, "sample_bytes": SAMPLE_BYTES, "batch_size": BATCH, "size": size,
-        "shard_bytes": args.shard_bytes, "cold_shard_bytes": args.cold_shard_bytes, "numpy_copy_mb_per_s": numpy_rate / 1e6, "modes": modes,
-        "time_to_first_batch_s": first_batch_s, "first_shard_published_s": first_shard_s, "pss_bytes_per_epoch": pss, "pss_growth": growth,
+        "shard_bytes": args.shard_bytes, "cold_shard_bytes": args.cold_shard_bytes,
+        "numpy_copy_mb_per_s": numpy_rate / 1e6, "modes": modes,
+        "time_to_first_batch_s": first_batch_s, "first_shard_published_s": first_shard_s,
+        "pss_bytes_per_epoch": pss, "pss_growth": growth,
     }, indent=2))
 
 
