@@ -38,7 +38,7 @@ from torch.utils.data import Dataset
 from epochcache.columns import is_binary, is_fixed_width, is_string
 from epochcache.errors import LoaderError, ShardCorruptError
 from epochcache.mappings import DEFAULT_MAX_OPEN_SHARDS, ShardMaps
-from epochcache.shards import open_shard
+from epochcache.shardplan import ShardPlan, open_planned
 from epochcache.sources.base import KEY_COLUMN
 
 log = logging.getLogger(__name__)
@@ -85,13 +85,17 @@ class ShardSetDataset(Dataset[Batch]):
         # Its mappings stay within the bound; a larger dataset goes through the LRU every time.
         fits = len(self._paths) <= self._max_open
         self._held: list[Views | None] | None = [None] * len(self._paths) if fits else None
+        # A larger dataset maps shards again as the LRU drops them: it keeps where each shard's columns
+        # lie (epochcache.shardplan), so mapping one again skips the IPC parsing.
+        self._plans: dict[str, ShardPlan] | None = None if fits else {}
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
 
     def __getstate__(self) -> dict[str, Any]:
         held = None if self._held is None else [None] * len(self._held)
-        return {**self.__dict__, "_maps": None, "_template": None, "_held": held}
+        plans: dict[str, ShardPlan] | None = None if self._plans is None else {}
+        return {**self.__dict__, "_maps": None, "_template": None, "_held": held, "_plans": plans}
 
     def __getitem__(self, index: int) -> Batch:
         batch = self.__getitems__([index])
@@ -184,9 +188,14 @@ class ShardSetDataset(Dataset[Batch]):
         return views
 
     def _open_one(self, path: str) -> Views:
-        table = open_shard(Path(path))
-        views = self._view(table, path)
-        self._check_schema(table.schema, path)
+        known = self._plans.get(path) if self._plans is not None else None
+        if known is not None:  # mapped before and checked then: one mmap, no IPC parsing
+            return self._view(known.remap(path), path)
+        arrays, schema, plan = open_planned(path)
+        views = self._view(arrays, path)
+        self._check_schema(schema, path)
+        if self._plans is not None and plan is not None:
+            self._plans[path] = plan
         return views
 
     def _check_schema(self, schema: pa.Schema, path: str) -> None:
@@ -201,16 +210,14 @@ class ShardSetDataset(Dataset[Batch]):
                 "source columns or sources); empty it with `epochcache clear`, or give cache.dir a new directory"
             )
 
-    def _view(self, table: pa.Table, path: str) -> Views:
-        names = self._columns or [n for n in table.column_names if n != KEY_COLUMN]
-        missing = [n for n in names if n not in table.column_names]
+    def _view(self, arrays: dict[str, pa.Array], path: str) -> Views:
+        names = self._columns or [n for n in arrays if n != KEY_COLUMN]
+        missing = [n for n in names if n not in arrays]
         if missing:
-            raise LoaderError(f"loader.columns names {missing}, absent from shard {path}: it has {table.column_names}")
+            raise LoaderError(f"loader.columns names {missing}, absent from shard {path}: it has {list(arrays)}")
         views: Views = {}
         for name in names:
-            column = table.column(name)
-            # Shards hold one record batch, so this is the one chunk itself, not a copy.
-            array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+            array = arrays[name]
             if is_string(array.type):
                 views[name] = StringColumn(array)
             elif is_binary(array.type):
