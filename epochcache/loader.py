@@ -441,14 +441,14 @@ class EpochCachedLoader:
         ), ring
 
     def _snapshot(self, epoch: int) -> Lease:
-        """A lease on a non-empty shard set, waiting for the first shard while a daemon runs (up to
+        """A lease on a shard set holding at least one row, waiting for it while a daemon runs (up to
         ``wait_timeout_s``; see :class:`epochcache.waiting.Patience`)."""
         patience = Patience(self._layout, self.config.wait_timeout_s)
         while True:
             lease = self._ledger.snapshot(f"{self._owner}:epoch{epoch}", self.config.lease_ttl_s)
             with self._held_lock:
                 self._held.add(lease.id)
-            if lease.shards:
+            if any(r.rows for r in lease.shards):  # zero-row shards alone would make an epoch of no batches
                 return lease
             self._release(lease.id)
             why = patience.over()

@@ -15,9 +15,9 @@ import torch
 from conftest import DaemonThread, UnitLog, make_table, wait_for, write_parquet_dataset
 
 import epochcache.shards as shards
-from epochcache import EpochCachedLoader, Ledger, SyncDaemon
+from epochcache import EpochCachedLoader, Ledger, SyncDaemon, waiting
 from epochcache.config import Config
-from epochcache.errors import LoaderError
+from epochcache.errors import CacheEmptyError, LoaderError
 from epochcache.layout import TMP_SUFFIX, CacheLayout
 from epochcache.ledger import ShardRecord
 from epochcache.repair import check
@@ -211,3 +211,17 @@ def test_one_schema_gathers_every_column_from_every_shard(tmp_path: Path) -> Non
     assert sorted(ids.tolist()) == list(range(150))
     pixels = torch.cat([b["image"] for b in batches])[:, 0, 0, 0]
     assert torch.equal(pixels, (ids % 251).to(torch.uint8))
+
+
+def test_zero_row_shards_alone_are_an_empty_cache_not_an_empty_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # issue 9 item 7: 0-row shards made an epoch of 0 batches, silently
+    monkeypatch.setattr(waiting, "NO_DAEMON_GRACE_S", 0.2)
+    layout = CacheLayout.create(tmp_path / "cache")
+    ledger = Ledger(layout.ledger)
+    _publish(layout, ledger, "empty", make_table(1, 0).slice(0, 0), known_schema=True)
+    ledger.close()
+    with EpochCachedLoader(layout.root, wait_timeout_s=600) as loader:
+        with pytest.raises(CacheEmptyError, match="no sync daemon runs"):
+            next(iter(loader))
