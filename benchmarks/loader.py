@@ -85,7 +85,9 @@ def numpy_copy_rate(cache: Path, repeats: int = 9) -> float:
 
 def run_mode(cache: Path, workers: int, epochs: int) -> dict[str, Any]:
     """Warm-epoch samples/s and MB/s, batch intervals and epoch gaps for one mode."""
-    rates, intervals, gaps = [], [], []
+    rates: list[float] = []
+    intervals: list[float] = []
+    gaps: list[float] = []
     last = None
     with EpochCachedLoader(cache, batch_size=BATCH, num_workers=workers, progress=False) as loader:
         for epoch in range(epochs + 1):
