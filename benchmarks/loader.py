@@ -85,7 +85,9 @@ def numpy_copy_rate(cache: Path, repeats: int = 9) -> float:
 
 def run_mode(cache: Path, workers: int, epochs: int) -> dict[str, Any]:
     """Warm-epoch samples/s and MB/s, batch intervals and epoch gaps for one mode."""
-    rates, intervals, gaps = [], [], []
+    rates: list[float] = []
+    intervals: list[float] = []
+    gaps: list[float] = []
     last = None
     with EpochCachedLoader(cache, batch_size=BATCH, num_workers=workers, progress=False) as loader:
         for epoch in range(epochs + 1):
@@ -122,6 +124,7 @@ def time_to_first_batch(remote: Path, cache: Path, size: int, shard_bytes: str) 
     """Seconds from starting the daemon (a forked process: imports done) and the loader together on an
     empty cache to the first batch, and to the daemon's first published shard (its part of the wait)."""
     config = config_for(remote, cache, size, shard_bytes)
+    CacheLayout.create(cache)  # the loader refuses a cache dir no daemon has made yet
     fork = multiprocessing.get_context("fork")
     published = fork.Queue()
     started = time.perf_counter()
@@ -157,7 +160,8 @@ def main() -> None:
     parser.add_argument("--shard-bytes", default="64MB",
                         help="cache.shard_bytes of the warm cache (default 64MB, the config default)")
     parser.add_argument("--cold-shard-bytes", default="64MB",
-                        help="cache.shard_bytes for the time to first batch on an empty cache (default 64MB, the config default)")
+                        help="cache.shard_bytes for the time to first batch on an empty cache "
+                             "(default 64MB, the config default)")
     parser.add_argument("--dir", help="work dir (default: a temporary one)")
     args = parser.parse_args()
     size = int(TypeAdapter(ByteSize).validate_python(args.size))
@@ -206,8 +210,10 @@ def report(rows: int, size: int, numpy_rate: float, modes: list[dict[str, Any]],
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({
         "rows": rows, "sample_bytes": SAMPLE_BYTES, "batch_size": BATCH, "size": size,
-        "shard_bytes": args.shard_bytes, "cold_shard_bytes": args.cold_shard_bytes, "numpy_copy_mb_per_s": numpy_rate / 1e6, "modes": modes,
-        "time_to_first_batch_s": first_batch_s, "first_shard_published_s": first_shard_s, "pss_bytes_per_epoch": pss, "pss_growth": growth,
+        "shard_bytes": args.shard_bytes, "cold_shard_bytes": args.cold_shard_bytes,
+        "numpy_copy_mb_per_s": numpy_rate / 1e6, "modes": modes,
+        "time_to_first_batch_s": first_batch_s, "first_shard_published_s": first_shard_s,
+        "pss_bytes_per_epoch": pss, "pss_growth": growth,
     }, indent=2))
 
 

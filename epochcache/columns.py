@@ -3,7 +3,8 @@ daemon can apply the same rules when it writes rows, and the loader when it read
 
 - fixed-width (numbers, fixed-size lists of them, the fixed-shape tensor type): a tensor of shape
   ``(batch, *item_shape)``, which cannot hold a null;
-- binary or string: a list of zero-copy buffers (None for a null);
+- string (utf8, large_utf8): a list of Python ``str`` (None for a null);
+- binary: a list of zero-copy buffers (None for a null);
 - anything else: a pyarrow array.
 """
 
@@ -22,8 +23,10 @@ def is_fixed_width(arrow_type: pa.DataType) -> bool:
 
 
 def is_binary(arrow_type: pa.DataType) -> bool:
-    """Variable-size binary or string: the columns that become lists of buffers."""
-    return any(
-        check(arrow_type)
-        for check in (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_string, pa.types.is_large_string)
-    )
+    """Variable-size binary: the columns that become lists of zero-copy buffers."""
+    return bool(pa.types.is_binary(arrow_type) or pa.types.is_large_binary(arrow_type))
+
+
+def is_string(arrow_type: pa.DataType) -> bool:
+    """String (utf8 or large_utf8): the columns that become lists of ``str``."""
+    return bool(pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type))

@@ -1,18 +1,23 @@
 """ShardSetDataset: a map-style torch Dataset over memory-mapped Arrow shards.
 
-Per process, each shard is memory-mapped once and every fixed-width column (numbers, fixed-size
-lists, the fixed-shape tensor type) is viewed as one read-only numpy array of shape
-``(rows, *item_shape)`` that points into the mapping: opening costs no copy and no per-sample object.
-A batch (``__getitems__``) is gathered with one ``numpy.take`` per shard touched, straight into the
-batch's freshly allocated array, which torch then wraps without a copy: one copy in all, the gather
-itself. Samples of a batch are grouped by shard (stable within a shard), which keeps that copy
-single; the batch is the same set of samples the sampler chose.
+Per process, shards are memory-mapped on demand and kept in a bounded least-recently-used set
+(:class:`epochcache.mappings.ShardMaps`, ``max_open_shards``), so any number of shards stays under
+the kernel's map limit. Every fixed-width column (numbers, fixed-size lists, the fixed-shape tensor
+type) is viewed as one read-only numpy array of shape ``(rows, *item_shape)`` that points into the
+mapping: opening costs no copy and no per-sample object. A batch (``__getitems__``) is gathered with
+one ``numpy.take`` per shard touched, straight into the batch's freshly allocated array, which torch
+then wraps without a copy: one copy in all, the gather itself. Samples of a batch are grouped by
+shard (stable within a shard), which keeps that copy single; the batch is the same set of samples
+the sampler chose, less the rows of a shard that cannot be read.
 
-Variable-size binary and string columns come out as a list of ``pyarrow.Buffer`` per batch, one per
-sample (None for a null), each a zero-copy slice of the mapped file, for a user decode function (see
-:mod:`epochcache.transform`). Other columns (nested variable lists, structs) come out as pyarrow
-arrays taken per batch. Neither keeps a Python object per sample in the dataset. Which kind a column is follows from its type alone, so it
-is the same in every batch; nulls in a fixed-width column are an error, not a silent change of kind.
+What each column becomes follows from its Arrow type alone (:mod:`epochcache.columns`), so it is the
+same in every batch: string columns (and ``__key__`` when selected) a list of ``str`` per batch;
+binary columns a list of ``pyarrow.Buffer``, each a zero-copy slice of the mapped file, for a user
+decode function (see :mod:`epochcache.transform`); nested variable lists and structs a pyarrow array.
+Nulls in a fixed-width column are a :class:`LoaderError`, not a silent change of kind.
+
+Invariant: a batch holds only values read from a shard. Every shard must have the column types of
+the first one read; a shard that differs is refused, so no batch array is left partly unfilled.
 
 Shards are opened lazily in the process that reads them, so pickling the dataset into DataLoader
 workers sends paths, never data.
@@ -20,7 +25,7 @@ workers sends paths, never data.
 
 from __future__ import annotations
 
-import threading
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Union
@@ -30,44 +35,75 @@ import pyarrow as pa
 import torch
 from torch.utils.data import Dataset
 
-from epochcache.columns import is_binary, is_fixed_width
-from epochcache.errors import LoaderError
-from epochcache.shards import open_shard
+from epochcache.columns import is_binary, is_fixed_width, is_string
+from epochcache.errors import LoaderError, ShardCorruptError
+from epochcache.mappings import DEFAULT_MAX_OPEN_SHARDS, ShardMaps
+from epochcache.shardplan import ShardPlan, open_planned
 from epochcache.sources.base import KEY_COLUMN
 
-Batch = dict[str, torch.Tensor | pa.Array | list[pa.Buffer | None]]
-Column = Union[np.ndarray, pa.Array, "BufferColumn"]
+log = logging.getLogger(__name__)
+
+# Column name -> a tensor, a list of str or of pyarrow.Buffer, or a pyarrow array (by the column's
+# type, see the module docstring): Any, so that callers index a batch without narrowing a union.
+Batch = dict[str, Any]
+Column = Union[np.ndarray, pa.Array, "BufferColumn", "StringColumn"]
+Views = dict[str, Column]
 
 
 class ShardSetDataset(Dataset[Batch]):
-    """Rows of ``paths`` (with ``rows[i]`` rows each) in order; ``columns`` None = all but the key."""
+    """Rows of ``paths`` (with ``rows[i]`` rows each) in order; ``columns`` None = all but the key.
+
+    Every shard must hold the selected columns with the types of the first readable shard (the
+    dataset's schema); a shard that differs is a :class:`LoaderError`, never a batch built from
+    memory that no shard filled. A shard that cannot be read (truncated, not Arrow, gone) is left out:
+    its rows are dropped from the batches that chose them and ``on_unreadable(path, error)`` is told.
+    """
 
     def __init__(
         self, paths: Sequence[Path], rows: Sequence[int], columns: Sequence[str] | None = None,
-        opened: OpenShards | None = None,
+        maps: ShardMaps[Views] | None = None, on_unreadable: Callable[[str, Exception], None] | None = None,
+        max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
     ):
-        """``opened``: shards already mapped in this process by an earlier dataset with the same
-        ``columns`` (a loader's consecutive epochs), reused instead of mapped again."""
+        """``maps``: this process's open shard mappings (a loader shares one across its epochs, so
+        consecutive epochs reuse them); None makes one of ``max_open_shards`` on first use. Workers
+        (after pickling) make their own. ``on_unreadable`` must pickle if workers read the dataset."""
         if len(paths) != len(rows):
             raise ValueError(f"{len(paths)} shard paths but {len(rows)} row counts")
         self._paths = [str(p) for p in paths]
         self._offsets = np.concatenate([[0], np.cumsum(np.asarray(rows, dtype=np.int64))])
         self._columns = list(columns) if columns is not None else None
-        self._views: list[dict[str, Column]] | None = None
-        self._opened = opened
+        self._maps = maps
+        self._max_open = maps.capacity if maps is not None else max_open_shards
+        self._on_unreadable = on_unreadable
+        self._schema: dict[str, pa.DataType] | None = None  # name -> type, from the first readable shard
+        self._schema_path = ""
+        self._template: Views | None = None
+        self._unreadable: set[int] = set()
+        self._key = None if self._columns is None else tuple(self._columns)
+        # A dataset of at most max_open_shards shards also holds its views itself, by shard number:
+        # the gather then skips the shared LRU's lock and bookkeeping, once per shard touched per batch.
+        # Its mappings stay within the bound; a larger dataset goes through the LRU every time.
+        fits = len(self._paths) <= self._max_open
+        self._held: list[Views | None] | None = [None] * len(self._paths) if fits else None
+        # A larger dataset maps shards again as the LRU drops them: it keeps where each shard's columns
+        # lie (epochcache.shardplan), so mapping one again skips the IPC parsing.
+        self._plans: dict[str, ShardPlan] | None = None if fits else {}
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_views": None, "_opened": None}
+        held = None if self._held is None else [None] * len(self._held)
+        plans: dict[str, ShardPlan] | None = None if self._plans is None else {}
+        return {**self.__dict__, "_maps": None, "_template": None, "_held": held, "_plans": plans}
 
     def __getitem__(self, index: int) -> Batch:
         batch = self.__getitems__([index])
         return {name: value[0] for name, value in batch.items()}
 
     def __getitems__(self, indices: Sequence[int] | np.ndarray, out: dict[str, np.ndarray] | None = None) -> Batch:
-        """The rows at ``indices`` as one batch: tensors of shape ``(len(indices), *item_shape)``.
+        """The rows at ``indices`` as one batch: tensors of shape ``(rows, *item_shape)``; ``rows`` is
+        ``len(indices)`` less the rows of unreadable shards.
 
         ``out`` (fixed-width column -> array of at least ``len(indices)`` rows of its dtype and item
         shape, as :meth:`fixed_layout` gives) receives those columns instead of fresh arrays; their
@@ -79,10 +115,9 @@ class ShardSetDataset(Dataset[Batch]):
         order = np.argsort(shard_of, kind="stable")
         shard_of = shard_of[order]
         local = idx[order] - self._offsets[shard_of]
-        views = self._open()
         splits = np.flatnonzero(np.diff(shard_of)).tolist()
         starts, ends = [0, *(i + 1 for i in splits)], [*(i + 1 for i in splits), idx.size]
-        template = views[int(shard_of[0])] if idx.size else views[0]
+        template = self._reference()
         given = out or {}
         result: dict[str, Any] = {
             name: (given[name][: idx.size] if name in given else np.empty((idx.size, *col.shape[1:]), col.dtype))
@@ -92,47 +127,100 @@ class ShardSetDataset(Dataset[Batch]):
         # The hot loop of the loader: one gather per shard and column, as few Python steps as possible.
         # mode="clip" (indices are checked above): under the default mode="raise" numpy gathers into a
         # temporary and copies that into ``result``, which costs a second copy of every batch.
+        filled = 0  # rows written: unreadable shards' rows are skipped, so arrays stay dense from 0
         for start, end in zip(starts, ends):
-            rows = local[start:end]
-            for name, col in views[shard_of[start]].items():
+            views = self._views(int(shard_of[start]))
+            if views is None:
+                continue
+            rows, stop = local[start:end], filled + end - start
+            for name, col in views.items():
                 if isinstance(col, np.ndarray):
-                    col.take(rows, axis=0, out=result[name][start:end], mode="clip")
-                elif isinstance(col, BufferColumn):
+                    col.take(rows, axis=0, out=result[name][filled:stop], mode="clip")
+                elif isinstance(col, (BufferColumn, StringColumn)):
                     result[name].extend(col.take(rows))
                 else:
                     result[name].append(col.take(pa.array(rows)))
-        return {name: _finish(value, template[name]) for name, value in result.items()}
+            filled = stop
+        return {name: _finish(value, template[name], filled) for name, value in result.items()}
 
     def fixed_layout(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-        """The fixed-width (tensor) columns, as name -> (dtype, item shape), read from the first shard
-        alone (shards of one cache share a schema); empty for an empty dataset."""
+        """The fixed-width (tensor) columns, as name -> (dtype, item shape), of the dataset's schema
+        (every shard's, see the class docstring); empty for an empty dataset."""
         if not self._paths:
             return {}
-        views = self._view(open_shard(Path(self._paths[0])), self._paths[0])
-        return {name: (col.dtype, col.shape[1:]) for name, col in views.items() if isinstance(col, np.ndarray)}
+        template = self._reference()
+        return {name: (col.dtype, col.shape[1:]) for name, col in template.items() if isinstance(col, np.ndarray)}
 
-    def _open(self) -> list[dict[str, Column]]:
-        if self._views is None:
-            if self._opened is None:
-                self._views = [self._open_one(path) for path in self._paths]
+    def _reference(self) -> Views:
+        """The views of the first readable shard, whose column types every other shard must share."""
+        if self._template is None:
+            for number in range(len(self._paths)):
+                views = self._views(number)
+                if views is not None:
+                    self._template = views
+                    break
             else:
-                self._views = self._opened.views(self._paths, self._open_one)
-        return self._views
+                raise LoaderError(
+                    f"none of the {len(self._paths)} shards of this epoch can be read (see the log for why; "
+                    "they are quarantined): run `epochcache sync` to refill the cache"
+                )
+        return self._template
 
-    def _open_one(self, path: str) -> dict[str, Column]:
-        return self._view(open_shard(Path(path)), path)
+    def _views(self, number: int) -> Views | None:
+        """Shard ``number``'s column views, mapped if not open; None if it cannot be read."""
+        if self._held is not None and self._held[number] is not None:
+            return self._held[number]
+        if number in self._unreadable:
+            return None
+        if self._maps is None:
+            self._maps = ShardMaps(self._max_open)
+        path = self._paths[number]
+        try:
+            views = self._maps.get((path, self._key), lambda: self._open_one(path))
+        except (ShardCorruptError, FileNotFoundError) as exc:
+            self._unreadable.add(number)
+            log.warning("shard %s cannot be read, its rows are left out of this epoch: %s", path, exc)
+            if self._on_unreadable is not None:
+                self._on_unreadable(path, exc)
+            return None
+        if self._held is not None:
+            self._held[number] = views
+        return views
 
-    def _view(self, table: pa.Table, path: str) -> dict[str, Column]:
-        names = self._columns or [n for n in table.column_names if n != KEY_COLUMN]
-        missing = [n for n in names if n not in table.column_names]
+    def _open_one(self, path: str) -> Views:
+        known = self._plans.get(path) if self._plans is not None else None
+        if known is not None:  # mapped before and checked then: one mmap, no IPC parsing
+            return self._view(known.remap(path), path)
+        arrays, schema, plan = open_planned(path)
+        views = self._view(arrays, path)
+        self._check_schema(schema, path)
+        if self._plans is not None and plan is not None:
+            self._plans[path] = plan
+        return views
+
+    def _check_schema(self, schema: pa.Schema, path: str) -> None:
+        names = self._columns or [n for n in schema.names if n != KEY_COLUMN]
+        types = {name: schema.field(name).type for name in names}
+        if self._schema is None:
+            self._schema, self._schema_path = types, path
+        elif types != self._schema:
+            raise LoaderError(
+                f"shard {path} has columns {_describe(types)} but shard {self._schema_path} has "
+                f"{_describe(self._schema)}: the cache holds rows of two schemas (written under different "
+                "source columns or sources); empty it with `epochcache clear`, or give cache.dir a new directory"
+            )
+
+    def _view(self, arrays: dict[str, pa.Array], path: str) -> Views:
+        names = self._columns or [n for n in arrays if n != KEY_COLUMN]
+        missing = [n for n in names if n not in arrays]
         if missing:
-            raise LoaderError(f"loader.columns names {missing}, absent from shard {path}: it has {table.column_names}")
-        views: dict[str, Column] = {}
+            raise LoaderError(f"loader.columns names {missing}, absent from shard {path}: it has {list(arrays)}")
+        views: Views = {}
         for name in names:
-            column = table.column(name)
-            # Shards hold one record batch, so this is the one chunk itself, not a copy.
-            array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-            if is_binary(array.type):
+            array = arrays[name]
+            if is_string(array.type):
+                views[name] = StringColumn(array)
+            elif is_binary(array.type):
                 views[name] = BufferColumn(array)
             elif not is_fixed_width(array.type):
                 views[name] = array
@@ -146,28 +234,8 @@ class ShardSetDataset(Dataset[Batch]):
         return views
 
 
-class OpenShards:
-    """The column views of the shards the latest dataset opened in this process, by path.
-
-    Shard file names carry their checksum, so a path always means the same bytes. Consecutive
-    epochs mostly read the same shards: reusing their mappings spares re-faulting every
-    page each epoch, and unmapping them (a large munmap blocks every page fault of the process for
-    milliseconds). Only the latest set is kept: shards that left it stay mapped while an older
-    dataset still holds them and are unmapped with it.
-    """
-
-    def __init__(self) -> None:
-        self._views: dict[str, dict[str, Column]] = {}
-        self._lock = threading.Lock()
-
-    def views(self, paths: Sequence[str], open_one: Callable[[str], dict[str, Column]]) -> list[dict[str, Column]]:
-        """The views of ``paths``, in order, opened with ``open_one`` where not already open."""
-        with self._lock:
-            known = self._views
-        fresh = {path: known[path] if path in known else open_one(path) for path in paths}
-        with self._lock:
-            self._views = fresh
-        return list(fresh.values())
+def _describe(types: dict[str, pa.DataType]) -> str:
+    return "[" + ", ".join(f"{name}: {kind}" for name, kind in types.items()) + "]"
 
 
 def _numpy_view(array: pa.Array) -> np.ndarray:
@@ -179,6 +247,16 @@ def _numpy_view(array: pa.Array) -> np.ndarray:
         shape.append(array.type.list_size)
         array = array.flatten()
     return array.to_numpy(zero_copy_only=True).reshape(shape)
+
+
+class StringColumn:
+    """A string column: Python ``str`` per row (None for a null), decoded per batch."""
+
+    def __init__(self, array: pa.Array):
+        self._array = array
+
+    def take(self, rows: np.ndarray) -> list[str | None]:
+        return self._array.take(rows).to_pylist()  # type: ignore[no-any-return]
 
 
 class BufferColumn:
@@ -200,10 +278,12 @@ class BufferColumn:
         return slices
 
 
-def _finish(value: Any, column: Column) -> Any:
-    """The batch value of one column: a tensor, the list of buffers, or one Arrow array."""
+def _finish(value: Any, column: Column, rows: int) -> Any:
+    """The batch value of one column (its first ``rows`` rows): a tensor, a list, or one Arrow array."""
     if isinstance(column, np.ndarray):
-        return torch.from_numpy(value)
-    if isinstance(column, BufferColumn):
+        return torch.from_numpy(value[:rows])
+    if isinstance(column, (BufferColumn, StringColumn)):
         return value
+    if not value:
+        return column.slice(0, 0)
     return pa.concat_arrays(value) if len(value) != 1 else value[0]

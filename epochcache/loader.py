@@ -4,10 +4,16 @@ Each epoch's shard set is a ledger snapshot taken together with a lease on exact
 the daemon cannot evict them mid-epoch; a heartbeat thread renews the lease. A finished epoch's
 lease is released, and its batch thread or workers stopped, in the background once the next epoch's
 first batch is out (or at :meth:`EpochCachedLoader.close`), so that work never delays that batch;
-an epoch left early is released at once, and a killed trainer's lease simply expires. When ``loader.prepare_next_at`` of an
-epoch's batches are consumed, a background thread snapshots the next epoch, builds its dataset and
-order and starts its batches (the batch thread, or the DataLoader workers, which the main thread
-forks at the next batch boundary), so the next epoch starts without a stall.
+an epoch left early is released at once, and a killed trainer's lease simply expires. When
+``loader.prepare_next_at`` of an epoch's batches are consumed, a background thread snapshots the
+next epoch, builds its dataset and order and starts its batches (the batch thread, or the DataLoader
+workers, which the main thread forks at the next batch boundary), so the next epoch starts without a
+stall.
+
+Integrity: an epoch's shards must share one schema (else a :class:`LoaderError` naming both); a
+shard whose file is missing or not at its recorded size is quarantined and left out; nothing is
+checksummed before the first batch: shards not yet verified on this host are checksummed after it by
+a :class:`~epochcache.verifier.BackgroundVerifier` (local rank 0 only), which quarantines failures.
 
 Two modes: without a user transform, batches are built in this process on a background thread
 (Arrow/numpy gathers release the GIL); with one (``transform`` per batch, ``sample_transform`` per
@@ -40,20 +46,23 @@ from pydantic import ValidationError
 from torch.utils.data import DataLoader
 
 from epochcache.config import LoaderConfig, format_validation_error, load_config
-from epochcache.dataset import OpenShards, ShardSetDataset
+from epochcache.dataset import ShardSetDataset
 from epochcache.device import pin_batch, pinning_available, to_device
 from epochcache.distributed import Peers
 from epochcache.errors import CacheEmptyError, ConfigError, LoaderError, ShardCorruptError
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Lease, Ledger, ShardRecord
+from epochcache.mappings import DEFAULT_MAX_OPEN_SHARDS, ShardMaps
 from epochcache.order import EpochBatches, batch_count, epoch_order, rank_part
 from epochcache.prefetch import BatchThread
-from epochcache.quarantine import quarantine_shard
+from epochcache.quarantine import QuarantineUnreadable, quarantine_shard
 from epochcache.resume import Progress, read_state, snapshot_id
-from epochcache.shards import verify_shard
+from epochcache.shards import open_shard
 from epochcache.slots import NumberedBatches, SlotDataset, SlotRing
+from epochcache.sources.base import KEY_COLUMN
 from epochcache.transform import BatchTransform, SampleTransform, TransformedDataset
-from epochcache.waiting import wait_for_samples
+from epochcache.verifier import BackgroundVerifier
+from epochcache.waiting import Patience, wait_for_samples
 from epochcache.wire import from_wire, to_wire
 
 log = logging.getLogger(__name__)
@@ -95,9 +104,10 @@ class _Epoch:
 
     def __init__(
         self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], loader: DataLoader[Any] | BatchThread | None,
-        pin: bool, ring: SlotRing | None = None,
+        pin: bool, ring: SlotRing | None = None, unverified: tuple[ShardRecord, ...] = (),
     ):
         self.info, self.lease, self.shards, self._loader, self._pin = info, lease, shards, loader, pin
+        self.unverified = unverified  # the epoch's shards not yet checksummed on this host
         self._unwrap = ring.receive if ring is not None else from_wire
         self._iterator: Iterator[Any] | None = loader if isinstance(loader, BatchThread) else None
 
@@ -150,7 +160,12 @@ class EpochCachedLoader:
         except ValidationError as exc:
             raise ConfigError(f"EpochCachedLoader: {format_validation_error(exc)}") from None
         self._transform, self._sample_transform = transform, sample_transform
-        self._layout = CacheLayout.create(Path(cache_dir))
+        self._layout = CacheLayout(Path(cache_dir).resolve())
+        if not self._layout.shards.is_dir():  # only the daemon creates a cache: a typo must not make one
+            raise LoaderError(
+                f"no cache at {str(cache_dir)!r} ({self._layout.shards} does not exist): check cache.dir, "
+                "or start `epochcache sync` with it first (the daemon creates the cache)"
+            )
         self._ledger = Ledger(self._layout.ledger)
         self._peers = Peers.discover(self._layout.root)
         self._owner = f"{socket.gethostname()}:{os.getpid()}"
@@ -165,8 +180,11 @@ class EpochCachedLoader:
         self._resume: Progress | None = None
         self._next: tuple[int, Future[_Epoch]] | None = None
         self._retiring: _Epoch | None = None  # the last epoch, done but its batch source not yet stopped
-        self._verified: set[str] = set()
-        self._opened = OpenShards()  # shard mappings the batch thread reuses from epoch to epoch
+        self._present_ids: set[str] = set()  # shards whose file this loader found at its size
+        # one checksumming thread per host (local rank 0), started on each epoch's first batch
+        self._verifier = BackgroundVerifier(self._layout, self._ledger) if self._peers.local_rank == 0 else None
+        # shard mappings the batch thread reuses from epoch to epoch, at most max_open_shards of them
+        self._maps: ShardMaps[Any] = ShardMaps(getattr(self.config, "max_open_shards", DEFAULT_MAX_OPEN_SHARDS))
         self._held: set[str] = set()
         self._held_lock = threading.Lock()
         self._closed = threading.Event()
@@ -214,6 +232,8 @@ class EpochCachedLoader:
             for number, batch in enumerate(stream, start=info.start_batch):
                 if number == info.start_batch:
                     self._last = replace(info, first_batch_wait_s=time.monotonic() - started)
+                    if self._verifier is not None:  # never before the first batch (see epochcache.verifier)
+                        self._verifier.submit(current.unverified)
                 if number >= trigger:
                     self._prepare_ahead(epoch + 1)
                     self._start_prepared()
@@ -271,6 +291,8 @@ class EpochCachedLoader:
         self._cleanup_pool.shutdown(wait=True)
         self._build_pool.shutdown(wait=True)
         self._heartbeat.join()
+        if self._verifier is not None:
+            self._verifier.close()
         with self._held_lock:
             for lease_id in self._held:
                 self._ledger.release(lease_id)
@@ -330,9 +352,10 @@ class EpochCachedLoader:
         lease = self._snapshot(epoch)
         try:
             records = self._agreed_records(lease, resume)
+            self._check_one_schema(records)
             dataset = ShardSetDataset(
                 [self._layout.shards / r.filename for r in records], [r.rows for r in records], self.config.columns,
-                self._opened,
+                self._maps, QuarantineUnreadable(self._layout.root),
             )
             sampler = self._sampler(len(dataset), epoch, resume.position if resume else 0)
             info = EpochInfo(
@@ -341,14 +364,15 @@ class EpochCachedLoader:
                 snapshot=snapshot_id([r.id for r in records]), start_batch=min(sampler.start, sampler.count),
             )
             source, ring = self._batch_source(dataset, sampler)
-            return _Epoch(info, lease, tuple(r.id for r in records), source, self._pin, ring)
+            unverified = tuple(r for r in records if not r.verified)
+            return _Epoch(info, lease, tuple(r.id for r in records), source, self._pin, ring, unverified)
         except BaseException:
             self._release(lease.id)
             raise
 
     def _agreed_records(self, lease: Lease, resume: Progress | None) -> list[ShardRecord]:
         """The epoch's shards, sorted by id: the node's agreed set, or the resumed epoch's exact set."""
-        usable = {r.id: r for r in lease.shards if self._verify(r)}
+        usable = {r.id: r for r in lease.shards if self._present(r)}
         common = self._peers.common_shards(list(usable))
         if resume is None:
             return [usable[i] for i in common]
@@ -361,6 +385,24 @@ class EpochCachedLoader:
                 f"{resume.epoch + 1}, 'position': 0, 'shards': None, 'snapshot': None}})"
             )
         return [usable[i] for i in sorted(resume.shards)]
+
+    def _check_one_schema(self, records: list[ShardRecord]) -> None:
+        """A :class:`LoaderError` if the records name two schema fingerprints (the ledger's, so this
+        reads no shard unless there is a conflict to describe); shards of unknown schema ("") are
+        checked by the dataset as it opens them."""
+        first: dict[str, ShardRecord] = {}
+        for record in records:
+            if record.schema:
+                first.setdefault(record.schema, record)
+        if len(first) > 1:
+            counts = {fp: sum(r.schema == fp for r in records) for fp in first}
+            (a, one), (b, two) = list(first.items())[:2]
+            raise LoaderError(
+                f"the cache {self._layout.root} holds shards of {len(first)} schemas: {counts[a]} shards with "
+                f"{_schema_of(self._layout, one)}, {counts[b]} with {_schema_of(self._layout, two)} (it was filled "
+                "under different source columns or sources); empty it with `epochcache clear`, or give "
+                "cache.dir a new directory"
+            )
 
     def _sampler(self, samples: int, epoch: int, start: int) -> EpochBatches:
         cfg, peers = self.config, self._peers
@@ -399,31 +441,44 @@ class EpochCachedLoader:
         ), ring
 
     def _snapshot(self, epoch: int) -> Lease:
-        """A lease on a non-empty shard set, waiting up to ``wait_timeout_s`` for the first shard."""
-        deadline = time.monotonic() + self.config.wait_timeout_s
+        """A lease on a shard set holding at least one row, waiting for it while a daemon runs (up to
+        ``wait_timeout_s``; see :class:`epochcache.waiting.Patience`)."""
+        patience = Patience(self._layout, self.config.wait_timeout_s)
         while True:
             lease = self._ledger.snapshot(f"{self._owner}:epoch{epoch}", self.config.lease_ttl_s)
             with self._held_lock:
                 self._held.add(lease.id)
-            if lease.shards:
+            if any(r.rows for r in lease.shards):  # zero-row shards alone would make an epoch of no batches
                 return lease
             self._release(lease.id)
-            if time.monotonic() >= deadline or self._closed.wait(_EMPTY_POLL_S):
+            why = patience.over()
+            if why is not None or self._closed.wait(_EMPTY_POLL_S):
+                if why == "no daemon":
+                    raise CacheEmptyError(
+                        f"no shard in {self._layout.root} after {patience.elapsed():.0f}s and no sync daemon runs "
+                        "on it: start `epochcache sync` with this cache.dir"
+                    )
                 raise CacheEmptyError(
-                    f"no shard appeared in {self._layout.root} within {self.config.wait_timeout_s:g}s: "
-                    "is `epochcache sync` running on this cache dir? (loader.wait_timeout_s sets the wait)"
+                    f"no shard appeared in {self._layout.root} within {self.config.wait_timeout_s:g}s while "
+                    "`epochcache sync` runs on it (loader.wait_timeout_s sets the wait): check `epochcache status`"
                 )
 
-    def _verify(self, record: ShardRecord) -> bool:
-        """Check a shard's checksum the first time this loader uses it; False if bad (it is quarantined)."""
-        if record.id in self._verified:
+    def _present(self, record: ShardRecord) -> bool:
+        """Whether a shard's file is there at its recorded size (one stat, the first time this loader
+        uses it); if not, it is quarantined. Its checksum is the background verifier's business."""
+        if record.id in self._present_ids:
             return True
+        path = self._layout.shards / record.filename
         try:
-            verify_shard(self._layout.shards / record.filename, record.checksum)
-        except (ShardCorruptError, FileNotFoundError) as exc:
+            size = path.stat().st_size
+        except FileNotFoundError as exc:
             quarantine_shard(self._layout, self._ledger, record, f"skipped by an epoch: {exc}")
             return False
-        self._verified.add(record.id)
+        if size != record.nbytes:
+            reason = f"skipped by an epoch: {path} holds {size} bytes, the ledger recorded {record.nbytes} (truncated?)"
+            quarantine_shard(self._layout, self._ledger, record, reason)
+            return False
+        self._present_ids.add(record.id)
         return True
 
     def _retire_previous(self) -> None:
@@ -456,3 +511,11 @@ class EpochCachedLoader:
                         log.warning("lease %s expired before renewal (process stalled longer than "
                                     "loader.lease_ttl_s?): its shards may be evicted", lease_id)
 
+
+def _schema_of(layout: CacheLayout, record: ShardRecord) -> str:
+    """A shard's columns as ``[name: type, ...]``, for a message."""
+    try:
+        schema = open_shard(layout.shards / record.filename).schema
+    except (ShardCorruptError, OSError) as exc:
+        return f"schema {record.schema} (shard {record.filename} unreadable: {exc})"
+    return "[" + ", ".join(f"{f.name}: {f.type}" for f in schema if f.name != KEY_COLUMN) + "]"

@@ -2,8 +2,9 @@
 
 Flow: ``quarantine_shard(layout, ledger, record, reason)`` -> the file moves from ``shards/`` to
 ``quarantine/`` (one rename, atomic) -> its record moves to the ledger's quarantine, counted. Used by
-``epochcache verify --fix``, by the daemon's reconcile and by the loader, which skips the shard and
-goes on with its epoch.
+``epochcache verify --fix``, by the daemon's reconcile and by the loader (its background verifier,
+and :class:`QuarantineUnreadable` when an epoch finds a shard it cannot read), which skips the shard
+and goes on with its epoch.
 
 Invariants: a quarantined file stays inside the budget (the ledger keeps charging its bytes until
 the publisher purges it to make room, or ``epochcache gc`` does); a file is never left in the
@@ -13,6 +14,7 @@ quarantine folder without a ledger entry that charges it.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Ledger, ShardRecord
@@ -47,3 +49,25 @@ def purge_quarantine(layout: CacheLayout, ledger: Ledger) -> list[ShardRecord]:
         (layout.quarantine / record.filename).unlink(missing_ok=True)
     ledger.forget_quarantined([r.id for r in purged])
     return purged
+
+
+class QuarantineUnreadable:
+    """``(path, error)`` -> the shard at ``path`` quarantined with the error as reason.
+
+    Picklable (it carries only the cache root), so DataLoader workers that find a shard they cannot
+    read quarantine it from their own process; the ledger is opened only then, which is rare.
+    """
+
+    def __init__(self, root: Path):
+        self._root = root
+
+    def __call__(self, path: str, error: Exception) -> None:
+        filename = Path(path).name
+        layout = CacheLayout(self._root)
+        ledger = Ledger(layout.ledger)
+        try:
+            found = [r for r in ledger.shards() if r.filename == filename]
+            if found:
+                quarantine_shard(layout, ledger, found[0], f"unreadable when an epoch read it: {error}")
+        finally:
+            ledger.close()

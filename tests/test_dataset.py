@@ -8,13 +8,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.feather
 import pytest
 import torch
 from conftest import ITEM_SHAPE, make_table
 from torch.utils.data import DataLoader
 
-from epochcache.dataset import OpenShards, ShardSetDataset
+from epochcache.dataset import ShardSetDataset
 from epochcache.errors import LoaderError
+from epochcache.mappings import ShardMaps
 from epochcache.shards import write_shard
 from epochcache.sources.base import KEY_COLUMN
 
@@ -64,15 +66,26 @@ def test_out_of_range_index_raises(tmp_path: Path) -> None:
         ds.__getitems__([-1])
 
 
-def test_string_column_comes_as_zero_copy_buffers(tmp_path: Path) -> None:
+def test_string_columns_and_the_key_come_as_str(tmp_path: Path) -> None:
     paths, rows = _shards(tmp_path, [4, 4])
     ds = ShardSetDataset(paths, rows, columns=["id", KEY_COLUMN])
     batch = ds.__getitems__([6, 1])
-    keys = batch[KEY_COLUMN]
-    assert isinstance(keys, list) and all(isinstance(b, pa.Buffer) for b in keys)
-    assert [bytes(b).decode() for b in keys] == [str(int(i)) for i in batch["id"]]
-    mapped = ds._open()[0][KEY_COLUMN]._data  # shard 0's one mapped data buffer (batch grouped by shard)
-    assert mapped.address <= keys[0].address < mapped.address + mapped.size, "a slice of the mapping, not a copy"
+    assert batch[KEY_COLUMN] == [str(int(i)) for i in batch["id"]] and batch[KEY_COLUMN] == ["1", "6"]
+    table = pa.table({"text": pa.array(["é", None, "xyz"], pa.large_string())})
+    write_shard(table, tmp_path / "t.tmp", tmp_path / "t.arrow")
+    assert ShardSetDataset([tmp_path / "t.arrow"], [3]).__getitems__([2, 1, 0])["text"] == ["xyz", None, "é"]
+
+
+def test_binary_column_comes_as_zero_copy_buffers(tmp_path: Path) -> None:
+    table = pa.table({"blob": pa.array([b"ab", b"cde", b"f"], pa.binary())})
+    write_shard(table, tmp_path / "t.tmp", tmp_path / "t.arrow")
+    ds = ShardSetDataset([tmp_path / "t.arrow"], [3])
+    blobs = ds.__getitems__([1, 2])["blob"]
+    assert all(isinstance(b, pa.Buffer) for b in blobs) and [bytes(b) for b in blobs] == [b"cde", b"f"]
+    views = ds._views(0)
+    assert views is not None
+    mapped = views["blob"]._data  # type: ignore[union-attr]  # the shard's one mapped data buffer
+    assert mapped.address <= blobs[0].address < mapped.address + mapped.size, "a slice of the mapping, not a copy"
 
 
 def test_binary_nulls_nested_lists_and_fixed_shapes(tmp_path: Path) -> None:
@@ -88,7 +101,8 @@ def test_binary_nulls_nested_lists_and_fixed_shapes(tmp_path: Path) -> None:
     batch = ShardSetDataset([tmp_path / "t.arrow"], [4]).__getitems__([3, 1, 2])
     assert [None if b is None else bytes(b) for b in batch["blob"]] == [b"xyz", None, b""]
     assert batch["grid"].shape == (3, 2, 3) and torch.equal(batch["grid"], torch.from_numpy(grid[[3, 1, 2]]))
-    assert batch["tensor"].dtype == torch.int16 and torch.equal(batch["tensor"], torch.from_numpy(grid[[3, 1, 2]]).short())
+    assert batch["tensor"].dtype == torch.int16
+    assert torch.equal(batch["tensor"], torch.from_numpy(grid[[3, 1, 2]]).short())
     assert isinstance(batch["ragged"], pa.Array) and batch["ragged"].to_pylist() == [[4], [], [2, 3]]
 
 
@@ -122,11 +136,11 @@ def test_column_kind_follows_the_type_and_nulls_are_refused(tmp_path: Path) -> N
         paths.append(tmp_path / f"{name}.arrow")
     ds = ShardSetDataset(paths[:1], [2])
     batch = ds.__getitems__([1, 0])
-    assert isinstance(batch["x"], torch.Tensor) and [bytes(b) for b in batch["tag"]] == [b"b", b"a"]
+    assert isinstance(batch["x"], torch.Tensor) and batch["tag"] == ["b", "a"]
     with pytest.raises(LoaderError, match="'x'.*1 nulls"):
         ShardSetDataset(paths, [2, 2]).__getitems__([0, 3])
     only_tags = ShardSetDataset(paths, [2, 2], columns=["tag"]).__getitems__([0, 3])
-    assert [None if b is None else bytes(b) for b in only_tags["tag"]] == [b"a", None]
+    assert only_tags["tag"] == ["a", None]
 
 
 def test_unknown_column_is_a_loader_error(tmp_path: Path) -> None:
@@ -137,13 +151,47 @@ def test_unknown_column_is_a_loader_error(tmp_path: Path) -> None:
 
 def test_consecutive_datasets_reuse_the_shards_both_read(tmp_path: Path) -> None:
     paths, rows = _shards(tmp_path, [5, 6, 7])
-    opened = OpenShards()
-    first = ShardSetDataset(paths[:2], rows[:2], opened=opened)
-    second = ShardSetDataset(paths[1:], rows[1:], opened=opened)
+    maps: ShardMaps = ShardMaps(2)
+    first = ShardSetDataset(paths[:2], rows[:2], maps=maps)
+    second = ShardSetDataset(paths[1:], rows[1:], maps=maps)
     _check_rows(first.__getitems__(np.arange(11)), np.arange(11))
+    shared = first._views(1)
+    _check_rows(second.__getitems__(np.arange(6)), np.arange(5, 11))
+    assert second._views(0) is shared, "the shard both read is mapped once"
     _check_rows(second.__getitems__(np.arange(13)), np.arange(5, 18))
-    assert second._open()[0] is first._open()[1], "the shard both read is mapped once"
-    third = ShardSetDataset(paths[:1], rows[:1], opened=opened)
-    third.__getitems__([0])
-    assert third._open()[0] is not first._open()[0], "a shard the latest dataset did not read is not kept"
-    assert pickle.loads(pickle.dumps(second))._opened is None, "workers map their own"
+    assert len(maps) == 2, "at most max_open_shards mappings are kept"
+    assert first._views(0) is not None and len(maps) == 2
+    assert pickle.loads(pickle.dumps(second))._maps is None, "workers map their own"
+
+
+def test_unreadable_shard_rows_are_left_out_and_reported(tmp_path: Path) -> None:
+    paths, rows = _shards(tmp_path, [5, 6, 7])
+    paths[1].write_bytes(paths[1].read_bytes()[:100])  # truncated after it was listed
+    told: list[str] = []
+    ds = ShardSetDataset(paths, rows, on_unreadable=lambda path, exc: told.append(path))
+    batch = ds.__getitems__(np.arange(18))
+    _check_rows(batch, np.r_[0:5, 11:18])
+    assert told == [str(paths[1])]
+    ds.__getitems__([6])
+    assert told == [str(paths[1])], "reported once"
+
+
+@pytest.mark.parametrize(("shards", "max_open"), [(1_000, 32), pytest.param(100_000, 1024, marks=pytest.mark.slow)])
+def test_an_epoch_over_many_tiny_shards_keeps_few_maps_open(tmp_path: Path, shards: int, max_open: int) -> None:
+    # issue 10: one map per shard failed at 70,000 shards (vm.max_map_count is 65,530 by default)
+    table = pa.table({"x": pa.array([0], pa.int64())})
+    paths = []
+    for number in range(shards):
+        path = tmp_path / f"s{number}.arrow"
+        pa.feather.write_feather(table.set_column(0, "x", pa.array([number], pa.int64())), path,
+                                 compression="uncompressed")
+        paths.append(path)
+    maps: ShardMaps = ShardMaps(max_open)
+    ds = ShardSetDataset(paths, [1] * shards, maps=maps)
+    total = 0
+    for start in range(0, shards, 1000):
+        batch = ds.__getitems__(np.arange(start, min(start + 1000, shards)))
+        total += int(batch["x"].sum())
+        assert len(maps) <= max_open
+    assert total == shards * (shards - 1) // 2
+    assert sum(int(ds.__getitems__(np.arange(shards))["x"].sum()) for _ in range(2)) == shards * (shards - 1)

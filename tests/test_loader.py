@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,9 +11,11 @@ import pytest
 import torch
 from conftest import DaemonThread, wait_for, write_parquet_dataset
 
-from epochcache import CacheEmptyError, ConfigError, EpochCachedLoader, Ledger, SyncDaemon
+from epochcache import CacheEmptyError, ConfigError, EpochCachedLoader, Ledger, SyncDaemon, waiting
 from epochcache.config import Config
+from epochcache.errors import LoaderError
 from epochcache.layout import CacheLayout
+from epochcache.lockfile import exclusive
 from epochcache.shards import open_shard
 from epochcache.waiting import daemon_running
 
@@ -23,7 +26,9 @@ ROWS = 6 * 4 * 32  # files x groups x rows
 def remote(tmp_path: Path) -> str:
     import fsspec
 
-    write_parquet_dataset(fsspec.filesystem("file"), str(tmp_path / "remote"), files=6, rows_per_file=128, rows_per_group=32)
+    write_parquet_dataset(
+        fsspec.filesystem("file"), str(tmp_path / "remote"), files=6, rows_per_file=128, rows_per_group=32
+    )
     return str(tmp_path / "remote")
 
 
@@ -118,15 +123,14 @@ def test_workers_mode_yields_every_sample(synced: Config) -> None:
         assert sorted(_epoch_ids(loader)) == list(range(ROWS))
 
 
-def test_corrupt_shard_is_skipped_and_epoch_completes(synced: Config) -> None:
+def test_truncated_shard_is_skipped_and_epoch_completes(synced: Config) -> None:
+    # (bit flips in a shard verified at write are `epochcache verify`'s to find: see test_integrity)
     layout = CacheLayout(Path(synced.cache.dir))
     ledger = Ledger(layout.ledger)
     victim = ledger.shards()[0]
     ledger.close()
     path = layout.shards / victim.filename
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    path.write_bytes(path.read_bytes()[:-100])
     with EpochCachedLoader(synced.cache.dir, batch_size=64) as loader:
         ids = _epoch_ids(loader)
         assert loader.last_epoch.skipped_shards == 1
@@ -134,9 +138,41 @@ def test_corrupt_shard_is_skipped_and_epoch_completes(synced: Config) -> None:
 
 
 def test_empty_cache_times_out_with_a_clear_error(tmp_path: Path) -> None:
+    CacheLayout.create(tmp_path / "empty")
     with EpochCachedLoader(tmp_path / "empty", wait_timeout_s=0.3) as loader:
         with pytest.raises(CacheEmptyError, match="epochcache sync"):
             next(iter(loader))
+
+
+def test_a_missing_cache_dir_is_an_error_at_once_and_is_not_created(tmp_path: Path) -> None:
+    with pytest.raises(LoaderError, match=r"no cache at .*typo.*check cache.dir") as caught:
+        EpochCachedLoader(tmp_path / "typo")
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "typo").exists()
+
+
+@pytest.mark.parametrize("min_samples", [0, 10])
+def test_an_empty_cache_without_a_daemon_fails_after_the_grace_not_the_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, min_samples: int
+) -> None:
+    monkeypatch.setattr(waiting, "NO_DAEMON_GRACE_S", 0.5)
+    CacheLayout.create(tmp_path / "cache")
+    started = time.monotonic()
+    with EpochCachedLoader(tmp_path / "cache", wait_timeout_s=600, min_samples=min_samples, progress=False) as loader:
+        with pytest.raises(CacheEmptyError, match="no sync daemon runs on it: start `epochcache sync`"):
+            next(iter(loader))
+    assert 0.5 <= time.monotonic() - started < 5
+
+
+def test_an_empty_cache_with_a_daemon_running_is_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(waiting, "NO_DAEMON_GRACE_S", 0.2)
+    layout = CacheLayout.create(tmp_path / "cache")
+    started = time.monotonic()
+    with exclusive(layout.lock):  # what a running `epochcache sync` holds
+        with EpochCachedLoader(layout.root, wait_timeout_s=1.0) as loader:
+            with pytest.raises(CacheEmptyError, match="while `epochcache sync` runs on it"):
+                next(iter(loader))
+    assert time.monotonic() - started >= 1.0, "waited the full timeout, past the no-daemon grace"
 
 
 def test_bad_loader_argument_is_a_config_error(tmp_path: Path) -> None:
@@ -195,6 +231,7 @@ def test_bad_device_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_min_samples_without_a_daemon_fails_with_a_clear_message(tmp_path: Path) -> None:
+    CacheLayout.create(tmp_path / "c")
     with EpochCachedLoader(tmp_path / "c", min_samples=10, wait_timeout_s=0.3, progress=False) as loader:
         with pytest.raises(CacheEmptyError, match="fewer than loader.min_samples=10, and no sync daemon runs"):
             next(iter(loader))
@@ -231,7 +268,9 @@ def test_a_shuffled_batch_draws_from_many_shards(synced: Config) -> None:
     layout = CacheLayout(Path(synced.cache.dir))
     ledger = Ledger(layout.ledger)
     shard_of = {
-        int(i): record.id for record in ledger.shards() for i in open_shard(layout.shards / record.filename)["id"].to_numpy()
+        int(i): record.id
+        for record in ledger.shards()
+        for i in open_shard(layout.shards / record.filename)["id"].to_numpy()
     }
     ledger.close()
     with EpochCachedLoader(synced.cache.dir, batch_size=64) as loader:
