@@ -44,7 +44,6 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from epochcache.config import Config
-from epochcache.errors import CorruptObjectError
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Ledger, ShardRecord
 from epochcache.lockfile import exclusive
@@ -175,10 +174,9 @@ class _Run:
             if unit is None:  # the stream's pass ended: read what it skipped, then move to its next pass
                 before = building.cursor.cursors[stream.name]
                 for retried, rows in self.skips.retry(stream, before.pass_, self._read):
-                    if not self._add(building, stream, retried, rows, before.pass_):
+                    if not self._add(building, stream, retried, rows):
                         return self._stop_reason()
-            elif table is not None and not self._add(building, stream, unit, table,
-                                                     after.cursors[stream.name].pass_):
+            elif table is not None and not self._add(building, stream, unit, table):
                 return self._stop_reason()
             building.cursor = after
             if building.nbytes >= self._shard_target():
@@ -195,21 +193,17 @@ class _Run:
         self.ledger.set_cursor({**building.cursor.to_dict(), "progress": self._progress(building.cursor)})
         return StopReason.EXHAUSTED
 
-    def _add(self, building: Building, stream: Stream, unit: Unit, table: pa.Table, pass_: int) -> bool:
+    def _add(self, building: Building, stream: Stream, unit: Unit, table: pa.Table) -> bool:
         """Add a unit's rows, first publishing what is built if they would overflow the shard. Rows
-        with a null in a fixed-width column are dropped (counted); a unit left with no rows is
-        skipped (a shard never holds 0 rows). Raises :class:`SourceError` if its columns differ from
-        the rows before it, :class:`DatasetMismatchError` if from the rows cached."""
+        with a null in a fixed-width column are dropped (counted). Raises :class:`SourceError` if its
+        columns differ from the rows before it, :class:`DatasetMismatchError` if from the rows cached."""
         self.binding.check(stream.name, unit.key, table.schema)
         table, dropped = screen(table)
         if dropped:
             log.warning("%s: dropped %d rows with a null in a fixed-width column", unit.key, dropped)
             self.report.rows_dropped += dropped
             self.ledger.incr("rows_dropped", dropped)
-        if table.num_rows == 0:
-            self.claims.release(unit.key)
-            empty = CorruptObjectError(f"{unit.key} holds 0 rows")
-            self.skips.skip(stream, pass_, unit.key, unit.obj, unit.index, empty)
+        if table.num_rows == 0:  # every row dropped: nothing to add (a shard never holds 0 rows)
             return True
         if building.tables and building.nbytes + table.nbytes > self.cfg.cache.shard_bytes:
             if not self._publish(building):
@@ -219,7 +213,7 @@ class _Run:
         return True
 
     def _read(self, stream: Stream, unit: Unit) -> pa.Table:
-        table = self.retrier.call(stream.source.read, unit, what=f"{unit.key}")
+        table = self.retrier.call(stream.read, unit, what=f"{unit.key}")
         self.intake.take(stream, unit, table)
         return table
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from epochcache.config import SourceConfig
+from epochcache.errors import CorruptObjectError
 from epochcache.sources import Source, Unit
 
 
@@ -32,6 +33,14 @@ class Stream:
     @property
     def name(self) -> str:
         return self.config.name
+
+    def read(self, unit: Unit) -> pa.Table:
+        """The unit's rows; raises :class:`CorruptObjectError` for a unit of 0 rows (it is skipped:
+        a shard never holds 0 rows)."""
+        table = self.source.read(unit)
+        if table.num_rows == 0:
+            raise CorruptObjectError(f"{unit.key} holds 0 rows")
+        return table
 
     def rows_of(self, unit: Unit) -> int:
         """The unit's rows from metadata, else estimated from its bytes (1 before any read) and

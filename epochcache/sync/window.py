@@ -45,7 +45,7 @@ class FetchWindow:
                 future = None
                 if stream is not None and unit is not None and not self.claims.taken(unit.key):
                     self.claims.claim(unit.key)
-                    future = self.pool.submit(self.retrier.call, stream.source.read, unit, what=unit.key)
+                    future = self.pool.submit(self.retrier.call, stream.read, unit, what=unit.key)
                 window.append((stream, unit, after, future))
                 limit = 1 if self.first_shard() else self.full
                 while len(window) >= limit or (window and (window[0][3] is None or stream is None)):

@@ -1,0 +1,244 @@
+"""The daemon keeps one dataset per cache dir and never stops for one bad object (issue 9, daemon side).
+
+A config that would change the schema of the cached rows stops with one line; damaged objects, units
+of 0 rows and rows with nulls in fixed-width columns are skipped (counted, reported) while the pass
+goes on; skips left unread are in the report; the daemon's vitals are in its ledger state.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import write_parquet_dataset
+
+from epochcache import Ledger, SyncDaemon
+from epochcache.config import Config
+from epochcache.errors import CorruptObjectError, DatasetMismatchError, SourceError
+from epochcache.layout import CacheLayout
+from epochcache.sources import Source, Unit
+from epochcache.sync.vitals import Vitals
+
+ROOMY = {"cache.max_bytes": "50MB", "cache.shard_bytes": "200KB"}
+
+
+def _remote(tmp_path: Path, files: int = 9, name: str = "remote") -> tuple[str, list[str]]:
+    root = str(tmp_path / name)
+    return root, write_parquet_dataset(fsspec.filesystem("file"), root, files, 64, 32)
+
+
+def _ledger(config: Config) -> Ledger:
+    return Ledger(CacheLayout(Path(config.cache.dir)).ledger)
+
+
+def _state(ledger: Ledger) -> dict[str, Any]:
+    state = ledger.daemon_state()
+    assert state is not None, "the daemon wrote its state"
+    return state
+
+
+def _identity(ledger: Ledger) -> dict[str, Any]:
+    identity = ledger.identity()
+    assert identity is not None, "the cache is bound to a dataset"
+    return identity
+
+
+def _cached_ids(config: Config) -> set[int]:
+    ledger = _ledger(config)
+    try:
+        layout = CacheLayout(Path(config.cache.dir))
+        ids: set[int] = set()
+        for record in ledger.shards():
+            with pa.memory_map(str(layout.shards / record.filename)) as source:
+                ids.update(pa.ipc.open_file(source).read_all().column("id").to_pylist())
+        return ids
+    finally:
+        ledger.close()
+
+
+def test_columns_changed_on_the_same_cache_dir_stop_with_one_line(
+    tmp_path: Path, make_config: Callable[..., Config]
+) -> None:
+    """Issue 9 item 1: filled with columns [image, id], then synced on with [image]: the second run
+    must not write rows without ``id`` into a cache whose shards have it."""
+    remote, _ = _remote(tmp_path, files=2)
+    first = make_config(remote, **ROOMY, **{"source.columns": ["image", "id"]})
+    SyncDaemon(first, progress=False).run(once=True)
+    shards_before = len(_ledger(first).shards())
+
+    narrowed = make_config(remote, **ROOMY, **{"source.columns": ["image"]})
+    with pytest.raises(DatasetMismatchError) as caught:
+        SyncDaemon(narrowed, progress=False).run(once=True)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "source.columns is ['image']" in message and "['image', 'id']" in message
+    assert "new cache.dir" in message and "epochcache clear --config" in message
+    ledger = _ledger(first)
+    assert len(ledger.shards()) == shards_before and _identity(ledger)["schema"].startswith("[image: ")
+    ledger.close()
+
+
+def test_rows_of_another_schema_are_refused_before_a_shard_holds_them(
+    tmp_path: Path, make_config: Callable[..., Config]
+) -> None:
+    """Same columns key, another remote whose ``id`` is int32: refused at its first rows."""
+    remote, _ = _remote(tmp_path, files=2)
+    config = make_config(remote, **ROOMY)
+    SyncDaemon(config, progress=False).run(once=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    pq.write_table(pa.table({"id": pa.array(np.arange(10, dtype=np.int32))}), other / "part-000.parquet")
+    published = len(_ledger(config).shards())
+
+    mismatch = r"has columns \[id: int32, __key__: string\] but the rows cached .* have \[image"
+    with pytest.raises(DatasetMismatchError, match=mismatch):
+        SyncDaemon(make_config(str(other), **ROOMY), progress=False).run(once=True)
+    assert len(_ledger(config).shards()) == published
+
+
+def test_an_emptied_cache_takes_another_dataset(tmp_path: Path, make_config: Callable[..., Config]) -> None:
+    """The binding holds while shards do: a cache with none takes the new schema and binds to it."""
+    remote, _ = _remote(tmp_path, files=1)
+    config = make_config(remote, **ROOMY, **{"source.columns": ["image", "id"]})
+    SyncDaemon(config, progress=False).run(once=True)
+    ledger = _ledger(config)
+    records = ledger.shards()
+    ledger.drop([record.id for record in records])
+    ledger.close()
+    for record in records:  # as `epochcache clear` does: files and records gone
+        (CacheLayout(Path(config.cache.dir)).shards / record.filename).unlink()
+    narrowed = make_config(remote, **ROOMY, **{"source.columns": ["id"]})
+    report = SyncDaemon(narrowed, progress=False).run(once=True)
+    assert report.shards_published > 0
+    ledger = _ledger(narrowed)
+    assert _identity(ledger)["schema"] == "[id: int64, __key__: string]"
+    ledger.close()
+
+
+class _Faulty:
+    """A real source whose reads of ``bad`` objects fail as ``fault(unit, table)`` says (fault injection)."""
+
+    def __init__(self, inner: Source, bad: str, fault: Callable[[Unit, pa.Table], pa.Table]) -> None:
+        self._inner, self._bad, self._fault = inner, bad, fault
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def read(self, unit: Unit) -> pa.Table:
+        table = self._inner.read(unit)
+        return self._fault(unit, table) if unit.obj.path.endswith(self._bad) else table
+
+
+def _inject(monkeypatch: pytest.MonkeyPatch, bad: str, fault: Callable[[Unit, pa.Table], pa.Table]) -> None:
+    import epochcache.daemon as daemon
+
+    real = daemon.open_source
+    monkeypatch.setattr(daemon, "open_source", lambda *args: _Faulty(real(*args), bad, fault))
+
+
+def _corrupt(unit: Unit, table: pa.Table) -> pa.Table:
+    raise CorruptObjectError(f"{unit.key}: Corrupt snappy compressed data")
+
+
+def test_a_corrupt_object_is_skipped_with_its_reason_and_the_pass_goes_on(
+    tmp_path: Path, make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remote, _ = _remote(tmp_path)
+    _inject(monkeypatch, "part-004.parquet", _corrupt)
+    config = make_config(remote, **ROOMY)
+    report = SyncDaemon(config, progress=False).run(once=True)
+
+    assert report.reason.value == "remote exhausted"
+    assert _cached_ids(config) == set(range(9 * 64)) - set(range(4 * 64, 5 * 64))
+    assert report.units_unread == 2  # both row groups of part-004, read again at the pass end and failed again
+    ledger = _ledger(config)
+    skipped = ledger.skipped()
+    assert {info["path"] for info in skipped.values()} == {f"{remote}/part-004.parquet"}
+    assert all("Corrupt snappy" in info["error"] and info["final"] for info in skipped.values())
+    state = _state(ledger)
+    assert state["fetched_bytes"] > 0 and state["last_error"] is None  # reads after the skip worked
+    ledger.close()
+
+
+def test_zero_row_units_are_skipped_and_null_rows_dropped(
+    tmp_path: Path, make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remote, _ = _remote(tmp_path, files=3)
+    ids = pa.array([1000, None, 1002, None], type=pa.int64())
+    pq.write_table(pa.table({"image": pa.array([b"x"] * 4), "id": ids}), f"{remote}/part-009.parquet")
+    _inject(monkeypatch, "part-001.parquet", lambda unit, table: table.slice(0, 0))
+    config = make_config(remote, **ROOMY, **{"source.columns": ["id"]})
+    report = SyncDaemon(config, progress=False).run(once=True)
+
+    assert report.rows_dropped == 2
+    assert _cached_ids(config) == set(range(64)) | set(range(128, 192)) | {1000, 1002}
+    ledger = _ledger(config)
+    assert all(record.rows > 0 for record in ledger.shards())
+    assert {key for key in ledger.skipped()} == {f"{remote}/part-001.parquet#0", f"{remote}/part-001.parquet#1"}
+    assert ledger.counters()["rows_dropped"] == 2
+    ledger.close()
+
+
+@pytest.mark.xfail(raises=AssertionError, strict=False,
+                   reason="until ParquetSource raises CorruptObjectError for a damaged footer (sources helper)")
+def test_a_damaged_parquet_footer_among_nine_is_skipped_by_sync_once(
+    tmp_path: Path, make_config: Callable[..., Config]
+) -> None:
+    """Issue 9 item 4, through the CLI in a real process: 8 of 9 objects cached, exit 3 (skips)."""
+    import subprocess
+
+    import yaml
+
+    remote, paths = _remote(tmp_path)
+    damaged = bytearray(Path(paths[6]).read_bytes())
+    damaged[-12:-8] = b"\xff\xff\xff\x7f"  # the footer's thrift no longer parses
+    Path(paths[6]).write_bytes(bytes(damaged))
+    config = make_config(remote, **ROOMY)
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump({"source": {"url": remote}, "cache": {"dir": config.cache.dir, **{
+        "max_bytes": "50MB", "shard_bytes": "200KB"}}}))
+    done = subprocess.run([sys.executable, "-m", "epochcache", "sync", "-c", str(config_file), "--once",
+                           "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert _cached_ids(config) == set(range(9 * 64)) - set(range(6 * 64, 7 * 64)), done.stderr
+    assert done.returncode in (0, 3), done.stderr  # 3 once cli.py exits 3 on units_unread
+    ledger = _ledger(config)
+    assert [info["path"] for info in ledger.skipped().values()] == [paths[6]]
+    ledger.close()
+
+
+def test_configuration_errors_still_stop_the_daemon(tmp_path: Path, make_config: Callable[..., Config]) -> None:
+    with pytest.raises(SourceError):
+        SyncDaemon(make_config(str(tmp_path / "nothing-here"), **ROOMY), progress=False).run(once=True)
+
+
+def test_vitals_record_settings_fetches_and_an_outage_until_reads_work_again(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger")
+    now = [1000.0]
+    vitals = Vitals(ledger, clock=lambda: now[0], interval_s=1.0)
+    vitals.start({"max_bytes": 5, "concurrency": 3})
+    now[0] += 2
+    vitals.fetched(4000)
+    state = _state(ledger)
+    assert state["started"] == 1000.0 and state["settings"]["concurrency"] == 3
+    assert state["fetched_bytes"] == 4000 and state["fetch_bytes_per_s"] == 2000.0
+
+    vitals.failed("remote unreachable", "listing of s3://b/x: ConnectTimeoutError: 127.0.0.1:9")
+    now[0] += 30
+    vitals.failed("remote unreachable", "again")
+    state = _state(ledger)
+    assert state["last_error"].startswith("remote unreachable since ") and state["last_error"].endswith("again")
+    assert state["last_error_at"] == 1032.0
+    first = _state(ledger)["last_error"].split(" since ")[1][:8]
+    import time
+
+    assert first == time.strftime("%H:%M:%S", time.localtime(1002.0))  # the outage's start is kept
+    vitals.fetched(10)
+    assert _state(ledger)["last_error"] is None and _state(ledger)["fetched_bytes"] == 4010
+    ledger.close()
