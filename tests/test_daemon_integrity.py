@@ -242,3 +242,18 @@ def test_vitals_record_settings_fetches_and_an_outage_until_reads_work_again(tmp
     vitals.fetched(10)
     assert _state(ledger)["last_error"] is None and _state(ledger)["fetched_bytes"] == 4010
     ledger.close()
+
+
+def test_a_run_leaves_its_settings_and_fetched_bytes_in_the_daemon_state_without_secrets(
+    tmp_path: Path, make_config: Callable[..., Config]
+) -> None:
+    remote, _ = _remote(tmp_path, files=2)
+    config = make_config(remote, **ROOMY, **{"source.storage_options": {"secret": "hunter2"},
+                                             "sampler.concurrency": 3})
+    SyncDaemon(config, progress=False).run(once=True)
+    ledger = _ledger(config)
+    state = _state(ledger)
+    ledger.close()
+    assert state["settings"]["concurrency"] == 3 and state["settings"]["max_bytes"] == 50_000_000
+    assert state["settings"]["sources"][0]["url"] == remote and "hunter2" not in repr(state)
+    assert state["fetched_bytes"] > 0 and state["started"] > 0 and state["last_error"] is None

@@ -31,28 +31,35 @@ def settings_of(config: Config, once: bool) -> dict[str, Any]:
 
 
 class Vitals:
-    """Keeps the daemon's vitals in the ledger; ``clock`` gives epoch seconds (injected for tests)."""
+    """Keeps the daemon's vitals in the ledger; ``clock`` gives epoch seconds (injected for tests).
+
+    Every write carries all of its fields, so a writer that replaces the daemon state (the
+    publisher's running/backpressure line) loses them for at most one interval."""
 
     def __init__(self, ledger: Ledger, clock: Callable[[], float] = time.time, interval_s: float = 1.0) -> None:
         self.ledger, self.clock, self.interval_s = ledger, clock, interval_s
         self.fetched_bytes = 0
         self._mark = (0.0, 0)  # (time, fetched_bytes) of the last write
         self._failing_since: float | None = None
+        self._fields: dict[str, Any] = {}
 
     def start(self, settings: dict[str, Any]) -> None:
         now = self.clock()
         self._mark = (now, 0)
-        self.ledger.update_daemon_state({"pid": os.getpid(), "started": now, "settings": settings,
-                                         "fetched_bytes": 0, "fetch_bytes_per_s": 0.0,
-                                         "last_error": None, "last_error_at": None})
+        self._fields = {"pid": os.getpid(), "started": now, "settings": settings, "fetched_bytes": 0,
+                        "fetch_bytes_per_s": 0.0, "last_error": None, "last_error_at": None}
+        self.ledger.update_daemon_state(self._fields)
 
     def fetched(self, nbytes: int) -> None:
         """A read worked: count its bytes; a standing error is over."""
         self.fetched_bytes += nbytes
         now = self.clock()
-        recovered = self._failing_since is not None
-        if recovered or now - self._mark[0] >= self.interval_s:
-            self._write(now, recovered)
+        if self._failing_since is not None:
+            self._failing_since = None
+            self._fields |= {"last_error": None, "last_error_at": None}
+            self._write(now)
+        elif now - self._mark[0] >= self.interval_s:
+            self._write(now)
 
     def failed(self, what: str, line: str) -> None:
         """A read failed for good (after its retries): ``what`` says what failed ("remote unreachable",
@@ -61,18 +68,17 @@ class Vitals:
         if self._failing_since is None:
             self._failing_since = now
         since = time.strftime("%H:%M:%S", time.localtime(self._failing_since))
-        self.ledger.update_daemon_state({"last_error": f"{what} since {since}: {line}", "last_error_at": now})
+        self._fields |= {"last_error": f"{what} since {since}: {line}", "last_error_at": now}
+        self._write(now)
 
     def flush(self) -> None:
         """Write the counts now (at the end of a run)."""
-        self._write(self.clock(), False)
+        self._write(self.clock())
 
-    def _write(self, now: float, clear_error: bool) -> None:
+    def _write(self, now: float) -> None:
         then, before = self._mark
-        rate = (self.fetched_bytes - before) / (now - then) if now > then else 0.0
-        fields: dict[str, Any] = {"fetched_bytes": self.fetched_bytes, "fetch_bytes_per_s": round(rate, 1)}
-        if clear_error:
-            self._failing_since = None
-            fields |= {"last_error": None, "last_error_at": None}
-        self.ledger.update_daemon_state(fields)
-        self._mark = (now, self.fetched_bytes)
+        if now > then:
+            self._fields["fetch_bytes_per_s"] = round((self.fetched_bytes - before) / (now - then), 1)
+            self._mark = (now, self.fetched_bytes)
+        self._fields["fetched_bytes"] = self.fetched_bytes
+        self.ledger.update_daemon_state(self._fields)
