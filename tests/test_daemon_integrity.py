@@ -7,8 +7,9 @@ goes on; skips left unread are in the report; the daemon's vitals are in its led
 
 from __future__ import annotations
 
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_parquet_dataset
+from conftest import DaemonThread, wait_for, write_parquet_dataset
 
 from epochcache import Ledger, SyncDaemon
 from epochcache.config import Config
@@ -257,3 +258,76 @@ def test_a_run_leaves_its_settings_and_fetched_bytes_in_the_daemon_state_without
     assert state["settings"]["concurrency"] == 3 and state["settings"]["max_bytes"] == 50_000_000
     assert state["settings"]["sources"][0]["url"] == remote and "hunter2" not in repr(state)
     assert state["fetched_bytes"] > 0 and state["started"] > 0 and state["last_error"] is None
+
+
+@pytest.fixture
+def black_hole() -> Iterator[int]:
+    """A TCP port on 127.0.0.1 that accepts connections (the kernel's backlog) and never answers."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        yield listener.getsockname()[1]
+
+
+def _refused_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])  # closed on return: connections to it are refused
+
+
+def _sync_once_against(tmp_path: Path, port: int, *overrides: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    import time
+
+    import yaml
+
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump({
+        "source": {"url": "s3://bucket/data", "storage_options": {
+            "key": "k", "secret": "s", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}},
+        "cache": {"dir": str(tmp_path / "cache"), "max_bytes": "10MB", "shard_bytes": "1MB"}}))
+    args = [arg for override in overrides for arg in ("--set", override)]
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "epochcache", "sync", "-c", str(config_file), "--once",
+                           "--no-progress", *args], capture_output=True, text=True, timeout=150)
+    return done, time.monotonic() - started
+
+
+@pytest.mark.parametrize("endpoint", ["black hole", "refused"])
+def test_sync_once_against_an_unreachable_endpoint_ends_with_one_line_naming_the_host(
+    tmp_path: Path, black_hole: int, endpoint: str
+) -> None:
+    port = black_hole if endpoint == "black hole" else _refused_port()
+    done, elapsed = _sync_once_against(tmp_path, port, "sampler.request_timeout_s=0.5", "sampler.max_attempts=2",
+                                       "sampler.backoff_max_s=0.2")
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert done.returncode == 2 and elapsed < 30, done.stderr
+    assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0] and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_daemon_keeps_retrying_an_unreachable_endpoint_and_shows_it(
+    tmp_path: Path, black_hole: int, make_config: Callable[..., Config]
+) -> None:
+    config = make_config("s3://bucket/data", **{
+        "source.storage_options": {"key": "k", "secret": "s",
+                                   "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{black_hole}"}},
+        "sampler.request_timeout_s": 0.3, "sampler.max_attempts": 1, "sampler.backoff_max_s": 0.2,
+        "cache.max_bytes": "10MB", "cache.shard_bytes": "1MB"})
+    daemon = DaemonThread(SyncDaemon(config, progress=False))
+    ledger = _ledger(config)
+
+    def failures() -> int:
+        failing = (ledger.daemon_state() or {}).get("last_error") is not None
+        return ledger.counters().get("give_ups", 0) if failing else 0
+
+    try:
+        wait_for(lambda: failures() >= 2, timeout=20)  # failed, backed off, tried again: still running
+        error = _state(ledger)["last_error"]
+        assert error.startswith("remote unreachable since ") and f"127.0.0.1:{black_hole}" in error
+    finally:
+        report = daemon.stop()
+        ledger.close()
+    assert report.shards_published == 0
