@@ -37,7 +37,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from types import FrameType
 
 import pyarrow as pa
@@ -140,8 +140,8 @@ class _Run:
         self.vitals.start(settings_of(self.cfg, self.once))
         position = resume_position(self.cfg, self.ledger, self.streams)
         publisher = Publisher(self.daemon.layout, self.ledger, self.cfg.cache, self.stop, evict=not self.once)
-        with ThreadPoolExecutor(self.cfg.sampler.concurrency, thread_name_prefix="fetch") as pool, \
-                ThreadPoolExecutor(1, thread_name_prefix="publish") as writer:
+        with _joined(ThreadPoolExecutor(self.cfg.sampler.concurrency, thread_name_prefix="fetch")) as pool, \
+                _joined(ThreadPoolExecutor(1, thread_name_prefix="publish")) as writer:
             self.writer = ShardWriter(writer, publisher, self.claims, self.report, self.bar, self.daemon.on_publish,
                                       self.stop)
             walk = Walk(self.cfg, self.ledger, self.streams, pool, self.retrier, self.claims, self.skips,
@@ -149,7 +149,9 @@ class _Run:
             window = FetchWindow(pool, self.retrier, self.claims, self.skips, self.intake,
                                  self.cfg.sampler.concurrency, lambda: self._shard_target() == 1, self.stop)
             try:
-                self.report.reason = self._sync(window.fetched(walk.merged(position)), position)
+                # closing(): the window cancels its queued reads here, before the pool is joined.
+                with closing(window.fetched(walk.merged(position))) as fetched:
+                    self.report.reason = self._sync(fetched, position)
             finally:
                 self.writer.settle()  # a shard already handed over is finished, never left half-written
                 self.bar.close()
@@ -247,6 +249,17 @@ class _Run:
                          f"{prefix}objects_total": total}
         return {**progress, "node_rank": rank, "num_nodes": nodes,
                 "units_skipped": self.report.units_skipped}
+
+
+@contextmanager
+def _joined(pool: ThreadPoolExecutor) -> Iterator[ThreadPoolExecutor]:
+    """``pool``, shut down on the way out with its queued work cancelled and every thread joined:
+    no read runs after ``run`` returns (a thread of ours, or a pyarrow/fsspec call it made, still
+    running at interpreter exit aborts the process: exit 134)."""
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 @contextmanager

@@ -331,3 +331,43 @@ def test_the_daemon_keeps_retrying_an_unreachable_endpoint_and_shows_it(
         report = daemon.stop()
         ledger.close()
     assert report.shards_published == 0
+
+
+def test_no_thread_of_the_run_outlives_it_when_the_budget_fills_mid_window(
+    tmp_path: Path, make_config: Callable[..., Config]
+) -> None:
+    """Issue 9 item 10: 'budget full' returns with reads still queued; none may run on after run()."""
+    import threading
+
+    remote = str(tmp_path / "remote")
+    write_parquet_dataset(fsspec.filesystem("file"), remote, 12, 512, 32)  # ~4.8 MB
+    config = make_config(remote, **{"cache.max_bytes": "1.2MB", "cache.shard_bytes": "200KB",
+                                    "sampler.concurrency": 32})
+    before = set(threading.enumerate())
+    report = SyncDaemon(config, progress=False).run(once=True)
+    assert report.reason.value == "budget full"
+    left = [t.name for t in set(threading.enumerate()) - before if t.name.startswith(("fetch", "publish"))]
+    assert left == []
+
+
+@pytest.mark.slow
+def test_sync_once_never_aborts_at_exit_with_many_reads_in_flight(
+    tmp_path: Path, s3: Any, bucket: str, s3_options: dict[str, Any]
+) -> None:
+    """Issue 9 item 10: `sync --once` with sampler.concurrency=32 ends at 'budget full' with reads in
+    flight; 25 runs, none may end in SIGABRT (134: a native thread alive at interpreter exit)."""
+    import yaml
+
+    write_parquet_dataset(s3, f"{bucket}/data", 12, 512, 32)
+    config_file = tmp_path / "config.yaml"
+    codes = []
+    for run in range(25):
+        config_file.write_text(yaml.safe_dump({
+            "source": {"url": f"s3://{bucket}/data", "storage_options": s3_options},
+            "cache": {"dir": str(tmp_path / f"cache{run}"), "max_bytes": "1.2MB", "shard_bytes": "200KB"},
+            "sampler": {"concurrency": 32}}))
+        done = subprocess.run([sys.executable, "-m", "epochcache", "sync", "-c", str(config_file), "--once",
+                               "--no-progress"], capture_output=True, text=True, timeout=120)
+        codes.append(done.returncode)
+        assert "terminate called" not in done.stderr, done.stderr
+    assert codes == [0] * 25

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pyarrow as pa
@@ -37,7 +37,7 @@ class FetchWindow:
         self.pool, self.retrier, self.claims, self.skips, self.intake = pool, retrier, claims, skips, intake
         self.full, self.first_shard, self.stop = 2 * concurrency, first_shard, stop
 
-    def fetched(self, walk: Iterator[Item]) -> Iterator[Fetched]:
+    def fetched(self, walk: Iterator[Item]) -> Generator[Fetched, None, None]:
         """Yield walk items in order with their table; unread futures are cancelled on the way out."""
         window: deque[_Slot] = deque()
         try:
