@@ -327,6 +327,9 @@ def test_the_daemon_keeps_retrying_an_unreachable_endpoint_and_shows_it(
         wait_for(lambda: failures() >= 2, timeout=20)  # failed, backed off, tried again: still running
         error = _state(ledger)["last_error"]
         assert error.startswith("remote unreachable since ") and f"127.0.0.1:{black_hole}" in error
+        from epochcache.status import cache_status
+
+        assert cache_status(config)["daemon"].startswith("running pid ")  # status reads the daemon's state
     finally:
         report = daemon.stop()
         ledger.close()

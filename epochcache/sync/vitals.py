@@ -48,7 +48,8 @@ class Vitals:
         self._mark = (now, 0)
         self._fields = {"pid": os.getpid(), "started": now, "settings": settings, "fetched_bytes": 0,
                         "fetch_bytes_per_s": 0.0, "last_error": None, "last_error_at": None}
-        self.ledger.update_daemon_state(self._fields)
+        # The publisher's running/backpressure line starts as "starting" (status reads state/since).
+        self.ledger.update_daemon_state({**self._fields, "state": "starting", "since": now})
 
     def fetched(self, nbytes: int) -> None:
         """A read worked: count its bytes; a standing error is over."""
