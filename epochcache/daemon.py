@@ -123,7 +123,7 @@ class _Run:
         self.report = SyncReport()
         records = ledger.shards()
         self.claims = Claims(unit for record in records for unit in record.units)
-        self.binding = DatasetBinding(ledger, self.cfg, has_shards=bool(records))
+        self.binding = DatasetBinding(ledger, self.cfg, records)
         sampler = self.cfg.sampler
         self.retrier = Retrier(sampler.max_attempts, sampler.backoff_s, sampler.backoff_max_s, ledger.incr, stop)
         self.vitals = Vitals(ledger)

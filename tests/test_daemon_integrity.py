@@ -104,6 +104,26 @@ def test_rows_of_another_schema_are_refused_before_a_shard_holds_them(
     assert len(_ledger(config).shards()) == published
 
 
+def test_a_cache_written_before_it_recorded_its_dataset_is_checked_against_its_shards(
+    tmp_path: Path, make_config: Callable[..., Config]
+) -> None:
+    remote, _ = _remote(tmp_path, files=1)
+    config = make_config(remote, **ROOMY, **{"source.columns": ["image", "id"]})
+    SyncDaemon(config, progress=False).run(once=True)
+    ledger = _ledger(config)
+    ledger.set_identity(None)  # as a cache of the previous version has none
+    ledger.close()
+    same, _ = _remote(tmp_path, files=1, name="same")  # units not cached yet: their rows are written
+    assert SyncDaemon(make_config(same, **ROOMY, **{"source.columns": ["image", "id"]}),
+                      progress=False).run(once=True).shards_published > 0
+    ledger = _ledger(config)
+    ledger.set_identity(None)
+    ledger.close()
+    remote, _ = _remote(tmp_path, files=1, name="more")
+    with pytest.raises(DatasetMismatchError, match=r"has columns \[id: int64, __key__: string\], which no shard"):
+        SyncDaemon(make_config(remote, **ROOMY, **{"source.columns": ["id"]}), progress=False).run(once=True)
+
+
 def test_an_emptied_cache_takes_another_dataset(tmp_path: Path, make_config: Callable[..., Config]) -> None:
     """The binding holds while shards do: a cache with none takes the new schema and binds to it."""
     remote, _ = _remote(tmp_path, files=1)

@@ -17,9 +17,10 @@ import pyarrow as pa
 
 from epochcache.config import Config
 from epochcache.errors import DatasetMismatchError, SourceError
-from epochcache.ledger import Ledger
+from epochcache.ledger import Ledger, ShardRecord
 from epochcache.mixing import MixCursor
 from epochcache.sampler import Cursor
+from epochcache.shards import schema_fingerprint
 from epochcache.sync.stream import Stream
 
 log = logging.getLogger(__name__)
@@ -66,11 +67,14 @@ class DatasetBinding:
     the shards hold. A cache with no shard takes any dataset (there is nothing to mix with).
     """
 
-    def __init__(self, ledger: Ledger, config: Config, has_shards: bool) -> None:
+    def __init__(self, ledger: Ledger, config: Config, records: Sequence[ShardRecord]) -> None:
+        """``records``: the shards the cache holds; a cache written before it recorded its dataset is
+        checked against their schema fingerprints."""
         self.ledger, self.config = ledger, config
         self._sources = [{"name": s.name, "url": s.url, "format": s.format, "columns": s.columns,
                           "labels": s.labels} for s in config.sources]
-        bound = ledger.identity() if has_shards else None
+        bound = ledger.identity() if records else None
+        self._fingerprints = {record.schema for record in records if record.schema}
         self._schema: str | None = bound.get("schema") if bound else None
         self._first: str = bound.get("schema_from", "") if bound else ""
         self._run: tuple[str, str] | None = None  # (source, columns) of this run's first rows
@@ -90,6 +94,11 @@ class DatasetBinding:
                 f"{key} (source {source!r}) has columns {text} but earlier rows (source {self._run[0]!r}) "
                 f"have {self._run[1]}: shards mix every source's rows, so give all sources the same columns "
                 "and types (select them with each source's columns key)"
+            )
+        if self._schema is None and self._fingerprints and schema_fingerprint(schema) not in self._fingerprints:
+            raise DatasetMismatchError(
+                f"{key} (source {source!r}) has columns {text}, which no shard in {self.config.cache.dir} "
+                f"holds (they were written before the cache recorded its dataset): {_HOW_TO_GO_ON}"
             )
         if self._schema is None:
             self._schema, self._first = text, key
