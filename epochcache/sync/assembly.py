@@ -1,0 +1,52 @@
+"""Shard assembly: the rows of units fetched in order, gathered until a shard's worth.
+
+In: each unit's table. Out: :class:`Building` (tables, unit keys, bytes, the cursor just past the
+last unit) for the writer. :func:`screen` keeps out rows no batch can hold: a null in a fixed-width
+column (it becomes a tensor, which has no null) drops the row, counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from epochcache.columns import is_fixed_width
+from epochcache.mixing import MixCursor
+from epochcache.sources import Unit
+
+
+@dataclass
+class Building:
+    """Units fetched in order and not yet published, with the cursor just past the last of them."""
+
+    cursor: MixCursor
+    tables: list[pa.Table] = field(default_factory=list)
+    units: list[str] = field(default_factory=list)
+    nbytes: int = 0
+
+    def reset(self, cursor: MixCursor) -> None:
+        """Start the next shard from ``cursor`` (the previous one was handed to the writer)."""
+        self.cursor, self.tables, self.units, self.nbytes = cursor, [], [], 0
+
+    def add(self, unit: Unit, table: pa.Table) -> None:
+        self.tables.append(table)
+        self.units.append(unit.key)
+        self.nbytes += table.nbytes
+
+    def rows(self) -> pa.Table:
+        return pa.concat_tables(self.tables)
+
+
+def screen(table: pa.Table) -> tuple[pa.Table, int]:
+    """``table`` without its rows that hold a null in a fixed-width column, and how many were dropped."""
+    fixed = [name for name, column in zip(table.column_names, table.columns)
+             if is_fixed_width(column.type) and column.null_count]
+    if not fixed:
+        return table, 0
+    keep = pc.is_valid(table.column(fixed[0]))
+    for name in fixed[1:]:
+        keep = pc.and_(keep, pc.is_valid(table.column(name)))
+    kept = table.filter(keep)
+    return kept, table.num_rows - kept.num_rows

@@ -1,0 +1,98 @@
+"""Skip bookkeeping: units (or whole objects) that could not be read are recorded in the ledger,
+the pass goes on without them, and at the pass end they are read once more.
+
+In: failures of reads (:data:`SKIPPABLE`); out: ledger ``skipped`` records (path, size, index,
+pass, stream, reason), the ``units_skipped`` counter, and :attr:`SkipBook.unread`, the units this
+run skipped and never read afterwards. Invariant: a skip never stops the daemon; only errors of
+configuration (:class:`~epochcache.errors.SourceError` other than a vanished object) do.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+
+import pyarrow as pa
+
+from epochcache.errors import CorruptObjectError, FetchFailedError, ObjectMissingError
+from epochcache.ledger import Ledger
+from epochcache.retry import Retrier, describe
+from epochcache.sources import RemoteObject, Unit
+from epochcache.sync.claims import Claims
+from epochcache.sync.report import SyncReport
+from epochcache.sync.stream import Stream
+from epochcache.sync.vitals import Vitals
+
+log = logging.getLogger(__name__)
+
+# What skips a unit instead of stopping the daemon: transient failures that outlived their retries,
+# objects deleted mid-pass, and bad bytes (damaged metadata or payload, checksum mismatches).
+SKIPPABLE = (FetchFailedError, ObjectMissingError, CorruptObjectError)
+
+Read = Callable[[Stream, Unit], pa.Table]
+
+
+class SkipBook:
+    """Records failed units in the ledger and reads them again at their pass end."""
+
+    def __init__(self, ledger: Ledger, retrier: Retrier, claims: Claims, report: SyncReport,
+                 vitals: Vitals, stop: threading.Event) -> None:
+        self.ledger, self.retrier, self.claims, self.report, self.stop = ledger, retrier, claims, report, stop
+        self.vitals = vitals
+        self._unread: set[str] = set()
+
+    @property
+    def unread(self) -> int:
+        """Units (or whole objects) this run skipped and did not read afterwards."""
+        return len(self._unread)
+
+    def skipped_objects(self, pass_: int) -> set[str]:
+        """Keys of the skip records of ``pass_`` (``<path>#*`` for an object whose metadata failed)."""
+        return {key for key, info in self.ledger.skipped().items() if info.get("pass") == pass_}
+
+    def skip(self, stream: Stream, pass_: int, key: str, obj: RemoteObject, index: int | None,
+             exc: Exception) -> None:
+        """Record a unit (or a whole object: ``index`` None) that failed, for the retry at pass end."""
+        log.warning("skipping %s for now: %s", key, describe(exc))
+        self.report.units_skipped += 1
+        self._unread.add(key)
+        self.ledger.incr("units_skipped")
+        self.vitals.failed(_what(exc), f"{key}: {describe(exc)}")
+        self.ledger.set_skipped(key, {"path": obj.path, "size": obj.size, "index": index, "pass": pass_,
+                                      "stream": stream.name, "error": describe(exc)})
+
+    def retry(self, stream: Stream, pass_: int, read: Read) -> Iterator[tuple[Unit, pa.Table]]:
+        """Yield the rows of ``stream``'s skipped units of this pass that read now; forget those whose
+        object is gone; a unit failing again stays recorded (``final``) and counted as unread, and
+        the pass moves on without it."""
+        for key, info in self.ledger.skipped().items():
+            if (info.get("pass") != pass_ or info.get("stream", "") != stream.name or info.get("final")
+                    or self.stop.is_set()):
+                continue
+            obj = RemoteObject(info["path"], info["size"])
+            try:
+                units = self.retrier.call(stream.source.units, obj, what=f"metadata of {obj.path}")
+                wanted = units if info["index"] is None else [units[info["index"]]]
+                for unit in wanted:
+                    if not self.claims.taken(unit.key):
+                        table = read(stream, unit)
+                        self.claims.claim(unit.key)
+                        yield unit, table
+            except ObjectMissingError as exc:
+                log.warning("dropping %s: %s", key, describe(exc))
+                self.ledger.incr("objects_missing")
+            except (FetchFailedError, CorruptObjectError) as exc:
+                log.warning("%s failed again at the end of pass %d: %s", key, pass_, describe(exc))
+                self._unread.add(key)
+                self.ledger.set_skipped(key, {**info, "final": True, "error": describe(exc)})
+                continue
+            self._unread.discard(key)
+            self.ledger.drop_skipped(key)
+
+
+def _what(exc: Exception) -> str:
+    """What a skip says of the remote, for the daemon's last error."""
+    if isinstance(exc, FetchFailedError):
+        return "remote unreachable"
+    return "corrupt object" if isinstance(exc, CorruptObjectError) else "object missing"

@@ -1,0 +1,59 @@
+"""One configured source as the daemon walks it: its own passes, listing, cursor and row estimates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from epochcache.config import SourceConfig
+from epochcache.errors import CorruptObjectError
+from epochcache.sources import Source, Unit
+
+
+@dataclass
+class Stream:
+    """One configured source as the daemon walks it.
+
+    ``totals``: objects of this node's share of each pass listed so far (for progress);
+    ``rows_per_byte``: seen in this source's reads, to estimate the rows of units whose metadata does
+    not tell them (Arrow IPC, WebDataset); ``estimates``: those estimates for units not read yet;
+    ``unaccounted``: rows read minus rows estimated, for the pick to count next; ``idle_until``:
+    while every unit of its last pass was cached, it gives no unit until then (monotonic seconds).
+    """
+
+    config: SourceConfig
+    source: Source
+    totals: dict[int, int] = field(default_factory=dict)
+    rows_per_byte: float | None = None
+    estimates: dict[str, int] = field(default_factory=dict)
+    unaccounted: int = 0
+    idle_until: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def read(self, unit: Unit) -> pa.Table:
+        """The unit's rows; raises :class:`CorruptObjectError` for a unit of 0 rows (it is skipped:
+        a shard never holds 0 rows)."""
+        table = self.source.read(unit)
+        if table.num_rows == 0:
+            raise CorruptObjectError(f"{unit.key} holds 0 rows")
+        return table
+
+    def rows_of(self, unit: Unit) -> int:
+        """The unit's rows from metadata, else estimated from its bytes (1 before any read) and
+        remembered, so the read can correct the count."""
+        if unit.rows is not None:
+            return unit.rows
+        estimate = max(1, round(unit.nbytes * self.rows_per_byte)) if self.rows_per_byte else 1
+        self.estimates[unit.key] = estimate
+        return estimate
+
+    def learn(self, unit: Unit, table: pa.Table) -> None:
+        """Take in a read unit's true rows: the estimate's error goes to ``unaccounted``."""
+        if unit.rows is None:
+            self.unaccounted += table.num_rows - self.estimates.pop(unit.key, table.num_rows)
+            if unit.nbytes > 0:
+                self.rows_per_byte = table.num_rows / unit.nbytes

@@ -1,0 +1,157 @@
+"""The walk: every stream's units, pass after pass, merged by weight into one sequence of positions.
+
+In: the streams, the position to start from, the ledger (listings, skips). Out: ``(stream, unit,
+position just past it)`` items; ``unit`` None ends the stream's pass; ``stream`` None pauses the
+walk (every stream idle). Each stream's listing is streamed into the ledger once per pass and
+reopened from it across restarts, so a restart walks the same order.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from epochcache.config import Config
+from epochcache.errors import FetchFailedError
+from epochcache.ledger import Ledger
+from epochcache.listing import PagedListing, store_listing
+from epochcache.mixing import MixCursor, pick
+from epochcache.retry import Retrier, describe
+from epochcache.sampler import Cursor, Sampler
+from epochcache.sources import RemoteObject, Unit
+from epochcache.sync.claims import Claims
+from epochcache.sync.identity import stream_order
+from epochcache.sync.skips import SKIPPABLE, SkipBook
+from epochcache.sync.stream import Stream
+from epochcache.sync.vitals import Vitals
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 5.0
+
+# A walk item: the stream, its unit (None: the stream's pass ended; its cursor moves to the next
+# pass) and the merged position just past it. Stream None: the walk pauses (every stream idle), so
+# what is built is published now rather than after the pause.
+Item = tuple[Stream | None, Unit | None, MixCursor]
+
+
+class Walk:
+    """Walks ``streams`` from a position; see the module docstring."""
+
+    def __init__(self, config: Config, ledger: Ledger, streams: Sequence[Stream], pool: ThreadPoolExecutor,
+                 retrier: Retrier, claims: Claims, skips: SkipBook, vitals: Vitals, stop: threading.Event,
+                 once: bool) -> None:
+        self.config, self.ledger, self.streams, self.pool, self.vitals = config, ledger, streams, pool, vitals
+        self.retrier, self.claims, self.skips, self.stop, self.once = retrier, claims, skips, stop, once
+
+    def merged(self, position: MixCursor) -> Iterator[Item]:
+        """The streams' walks merged by weight (:func:`~epochcache.mixing.pick`) from ``position``.
+
+        A stream whose last pass found every unit cached gives nothing for ``IDLE_POLL_S`` (its
+        share goes to the others, and it comes back at its share rather than catching up on the rows
+        it could not give); with ``once`` a stream stops after one pass. Ends when stopped or when
+        every stream stopped."""
+        walks = {s.name: self._stream_walk(s, position.cursors[s.name]) for s in self.streams}
+        weights = {s.name: s.config.weight for s in self.streams}
+        live = list(self.streams)
+        while live and not self.stop.is_set():
+            now = time.monotonic()
+            for back in (s for s in live if 0 < s.idle_until <= now):
+                back.idle_until = 0.0
+                position = position.caught_up(back.name, weights)
+            ready = {s.name: s.config.weight for s in live if s.idle_until <= now}
+            if not ready:
+                yield None, None, position
+                log.info("every unit of the remote is cached; checking again in %.0fs", IDLE_POLL_S)
+                self.stop.wait(min(s.idle_until for s in live) - now)
+                continue
+            stream = next(s for s in live if s.name == pick(ready, position.rows))
+            item = next(walks[stream.name], None)
+            if item is None:
+                live.remove(stream)
+                continue
+            unit, cursor = item
+            # Only rows to be written count: a unit already cached (or on its way) adds none.
+            fresh = stream.rows_of(unit) if unit is not None and not self.claims.taken(unit.key) else 0
+            rows, stream.unaccounted = stream.unaccounted + fresh, 0
+            position = position.advance(stream.name, cursor, rows)
+            yield stream, unit, position
+
+    def _stream_walk(self, stream: Stream, cursor: Cursor) -> Iterator[tuple[Unit | None, Cursor]]:
+        """``stream``'s units from ``cursor`` on, pass after pass, each pass ended by ``(None, the
+        next pass's cursor)``; ends when stopped, or after one pass with ``once``."""
+        sampler_config = self.config.sampler
+        rank, nodes = sampler_config.partition()
+        while True:
+            objects = self._objects(stream, cursor.pass_)
+            if objects is None:
+                return
+            pass_ = cursor.pass_
+            sampler = Sampler(functools.partial(self._units_of, stream, pass_), objects, sampler_config.seed,
+                              mix=sampler_config.mix_units, node_rank=rank, num_nodes=nodes)
+            # The pass before stays known: its last units are still consumed while this one is walked.
+            stream.totals = {p: n for p, n in stream.totals.items() if p == pass_ - 1}
+            stream.totals[pass_] = len(sampler.node_objects(pass_))
+            fetching = False
+            for unit, after in sampler.walk(cursor):
+                fetching = fetching or not self.claims.taken(unit.key)
+                yield unit, after
+            cursor = cursor.next_pass()
+            yield None, cursor
+            if self.once:
+                return
+            if not fetching:
+                stream.idle_until = time.monotonic() + IDLE_POLL_S
+
+    def _units_of(self, stream: Stream, pass_: int, objects: Sequence[RemoteObject]) -> list[Sequence[Unit]]:
+        """The units of ``objects``, their metadata read concurrently. An object whose metadata keeps
+        failing (or is gone, or damaged) counts as empty for this pass and is recorded, so a restart
+        walks the same order; it is retried at the end of the pass."""
+        skipped = self.skips.skipped_objects(pass_)
+        futures = [
+            None if f"{obj.path}#*" in skipped
+            else self.pool.submit(self.retrier.call, stream.source.units, obj, what=f"metadata of {obj.path}")
+            for obj in objects
+        ]
+        return [self._units_or_skip(stream, pass_, obj, future) for obj, future in zip(objects, futures)]
+
+    def _units_or_skip(self, stream: Stream, pass_: int, obj: RemoteObject,
+                       future: Future[Sequence[Unit]] | None) -> Sequence[Unit]:
+        if future is None:
+            return []
+        try:
+            return future.result()
+        except SKIPPABLE as exc:
+            self.skips.skip(stream, pass_, f"{obj.path}#*", obj, None, exc)
+            return []
+
+    def _objects(self, stream: Stream, pass_: int) -> PagedListing | None:
+        """The listing this pass of ``stream`` walks: streamed into the ledger once per pass and
+        reopened from it across restarts. A listing that keeps failing is tried again after a pause
+        (shown in the daemon's vitals); with ``once`` its :class:`FetchFailedError` (naming the URL
+        and the error, which names the host) ends the run. None once stopped."""
+        header = self.ledger.stream_listing(stream.name)
+        if header and header.get("pass") == pass_:
+            stored = PagedListing.open(self.ledger, header, stream.name)
+            if stored is not None:
+                return stored
+        while not self.stop.is_set():
+            try:
+                return self.retrier.call(self._list, stream, pass_, what=f"listing of {stream.source.url}")
+            except FetchFailedError as exc:
+                self.vitals.failed("remote unreachable", describe(exc))
+                if self.once:
+                    raise
+                log.warning("%s; trying again in %.0fs", exc, self.config.sampler.backoff_max_s)
+                self.stop.wait(self.config.sampler.backoff_max_s)
+        return None
+
+    def _list(self, stream: Stream, pass_: int) -> PagedListing:
+        header = {"order": stream_order(self.config, stream), "pass": pass_}
+        listing = store_listing(self.ledger, stream.source.scan_objects(), header, stream.name)
+        log.info("listed %d objects under %s for pass %d", len(listing), stream.source.url, pass_)
+        return listing

@@ -1,0 +1,74 @@
+"""The fetch window: units read concurrently, consumed in walk order.
+
+In: walk items. Out: the same items, in order, each with its table (None for a unit already cached,
+a pass end, a pause, or a unit whose read failed and was recorded as skipped). Invariant: a unit's
+rows are handed on only after every unit before it in the walk, so the cursor published with a
+shard always marks a prefix of the order.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pyarrow as pa
+
+from epochcache.mixing import MixCursor
+from epochcache.retry import Retrier
+from epochcache.sources import Unit
+from epochcache.sync.claims import Claims
+from epochcache.sync.intake import Intake
+from epochcache.sync.skips import SKIPPABLE, SkipBook
+from epochcache.sync.stream import Stream
+from epochcache.sync.walk import Item
+
+Fetched = tuple[Stream | None, Unit | None, MixCursor, pa.Table | None]
+_Slot = tuple[Stream | None, Unit | None, MixCursor, Future[pa.Table] | None]
+
+
+class FetchWindow:
+    """Keeps up to ``2 * concurrency`` reads in flight (one while ``first_shard()``: an empty cache's
+    first unit then has the machine to itself); a pause of the walk drains the window."""
+
+    def __init__(self, pool: ThreadPoolExecutor, retrier: Retrier, claims: Claims, skips: SkipBook,
+                 intake: Intake, concurrency: int, first_shard: Callable[[], bool], stop: threading.Event) -> None:
+        self.pool, self.retrier, self.claims, self.skips, self.intake = pool, retrier, claims, skips, intake
+        self.full, self.first_shard, self.stop = 2 * concurrency, first_shard, stop
+
+    def fetched(self, walk: Iterator[Item]) -> Generator[Fetched, None, None]:
+        """Yield walk items in order with their table; unread futures are cancelled on the way out."""
+        window: deque[_Slot] = deque()
+        try:
+            for stream, unit, after in walk:
+                future = None
+                if stream is not None and unit is not None and not self.claims.taken(unit.key):
+                    self.claims.claim(unit.key)
+                    future = self.pool.submit(self.retrier.call, stream.read, unit, what=unit.key)
+                window.append((stream, unit, after, future))
+                limit = 1 if self.first_shard() else self.full
+                while len(window) >= limit or (window and (window[0][3] is None or stream is None)):
+                    yield self._complete(*window.popleft())
+                if self.stop.is_set():
+                    return
+            while window and not self.stop.is_set():
+                yield self._complete(*window.popleft())
+        finally:
+            for *_, future in window:
+                if future is not None:
+                    future.cancel()
+
+    def _complete(self, stream: Stream | None, unit: Unit | None, after: MixCursor,
+                  future: Future[pa.Table] | None) -> Fetched:
+        """The unit's table; None if it is cached, or if it failed and was recorded as skipped."""
+        if future is None or unit is None or stream is None:
+            return stream, unit, after, None
+        try:
+            table = future.result()
+        except SKIPPABLE as exc:
+            self.claims.release(unit.key)
+            self.skips.skip(stream, after.cursors[stream.name].pass_, unit.key, unit.obj, unit.index, exc)
+            return stream, unit, after, None
+        self.intake.take(stream, unit, table)
+        return stream, unit, after, table

@@ -1,0 +1,89 @@
+"""The writer: shards written and published by one thread, in order, while the next are fetched.
+
+In: a shard's rows, units and the cursor just past them. Out: published shards (ledger + file),
+accounted in the report and in :class:`Claims`. Invariant: shards are published in order, one at a
+time, each with the cursor just past its last unit; once one is refused (stopped, budget full) none
+after it is published, so the cursor never jumps past a shard that is missing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import pyarrow as pa
+from tqdm import tqdm
+
+from epochcache.ledger import ShardRecord
+from epochcache.publisher import Published, Publisher
+from epochcache.sync.claims import Claims
+from epochcache.sync.report import SyncReport
+
+# Shards handed to the writer thread and not yet published: enough to keep fetching while one is
+# written and the next waits, few enough that memory stays ~ (2 + this) * cache.shard_bytes.
+WRITES_QUEUED = 2
+
+
+class ShardWriter:
+    """Hands shards to one writer thread (``executor``) and accounts for them as they finish."""
+
+    def __init__(self, executor: ThreadPoolExecutor, publisher: Publisher, claims: Claims, report: SyncReport,
+                 bar: tqdm, on_publish: Callable[[ShardRecord], None] | None, stop: threading.Event) -> None:
+        self.executor, self.publisher, self.claims, self.report = executor, publisher, claims, report
+        self.bar, self.on_publish, self.stop = bar, on_publish, stop
+        self.pending: deque[Future[Published | None]] = deque()
+        self.refused = threading.Event()  # set by the writer thread once a shard was not published
+
+    def submit(self, table: pa.Table, units: list[str], cursor: dict[str, Any]) -> bool:
+        """Hand one shard to the writer thread, once fewer than ``WRITES_QUEUED`` wait there; False if
+        a shard before it was not published (stopped, or the budget is full)."""
+        while len(self.pending) >= WRITES_QUEUED:
+            if not self._settle_one():
+                return False
+        self.pending.append(self.executor.submit(self._write, table, units, cursor))
+        return True
+
+    def settle(self) -> bool:
+        """Wait for every shard in the writer thread; False if one was not published (and then the
+        ones after it are dropped unpublished)."""
+        while self.pending:
+            if not self._settle_one():
+                return False
+        return True
+
+    def _write(self, table: pa.Table, units: list[str], cursor: dict[str, Any]) -> Published | None:
+        """In the writer thread: publish one shard, unless the daemon is stopping or a shard before it
+        was refused (then none after it may be published either, or the cursor would jump past the
+        refused shard's units)."""
+        if self.refused.is_set() or self.stop.is_set():  # stopped: queued shards are dropped, like the one built
+            self.refused.set()
+            return None
+        published = self.publisher.publish(table, units, cursor)
+        if published is None:
+            self.refused.set()
+        elif self.on_publish is not None:  # here, before the next shard starts: a hook may stop the daemon
+            self.on_publish(published.record)
+        return published
+
+    def _settle_one(self) -> bool:
+        """Wait for the oldest shard in the writer thread and account for it; False if it was not published."""
+        published = self.pending.popleft().result()
+        if published is None:
+            for later in self.pending:  # each returns None unpublished if it is already running
+                later.cancel()
+            self.pending.clear()
+            return False
+        record = published.record
+        self.claims.published(record.units, [unit for victim in published.evicted for unit in victim.units])
+        report = self.report
+        report.evicted += len(published.evicted)
+        report.shards_published += 1
+        report.bytes_published += record.nbytes
+        report.samples_published += record.rows
+        report.units_published += len(record.units)
+        self.bar.set_postfix(shards=report.shards_published, samples=report.samples_published,
+                             evicted=report.evicted, refresh=False)
+        return True
