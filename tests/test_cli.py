@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import fsspec
+import pytest
 import yaml
 
 from conftest import write_parquet_dataset
@@ -45,6 +46,7 @@ def test_set_override_is_validated(tmp_path: Path, capsys) -> None:
     assert len(err) == 1 and "cache.max_bytes" in err[0] and "'lots'" in err[0]
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "epochcache", "demo", "--dir", str(tmp_path / "demo"), "--epochs", "3", "--samples", "1536"],
