@@ -18,7 +18,7 @@ from pydantic import ByteSize
 from epochcache.clear import existing_layout
 from epochcache.config import Config
 from epochcache.layout import CacheLayout
-from epochcache.ledger import Ledger
+from epochcache.ledger import Ledger, ShardRecord
 from epochcache.lockfile import holder
 from epochcache.redact import redact
 
@@ -78,6 +78,7 @@ def cache_status(config: Config) -> dict[str, Any]:
             ],
             "counters": ledger.counters(),
             "progress": (cursor or {}).get("progress"),
+            "units_cached": _units_cached(config, shards),
             "cursor": cursor,
         }
     finally:
@@ -113,7 +114,7 @@ def format_status(status: dict[str, Any]) -> str:
                                                            if status["skipped_units"] else "")),
         *((f"  {u['unit']}", f"{u['reason']}") for u in status["skipped"]),
         ("progress", _progress(status["progress"], status["cursor"])),
-        *_source_rows(status["progress"]),
+        *_source_rows(status["progress"], status["units_cached"]),
         *_recorded_source_rows(status["daemon_detail"]),
     ]
     width = max(len(key) for key, _ in rows)
@@ -234,14 +235,29 @@ def _progress(progress: dict[str, int | None] | None, cursor: dict[str, Any] | N
     return f"{cursor}" if cursor else "not started"
 
 
-def _source_rows(progress: dict[str, int | None] | None) -> list[tuple[str, str]]:
-    """One row per source: ``pass 2: 16 of 32 objects walked``; ``?`` while the listing is not complete."""
+def _source_rows(progress: dict[str, int | None] | None, units_cached: dict[str, int]) -> list[tuple[str, str]]:
+    """One row per source: ``pass 2: 17 units cached; 16 of 32 objects started`` (``?`` while the
+    listing is not complete)."""
     rows = []
     progress = progress or {}
     for prefix in sorted({key[: -len("pass")] for key in progress if key.endswith("pass")}):
+        name = prefix.rstrip(".")
         total = progress.get(f"{prefix}objects_total")
         done = progress.get(f"{prefix}objects_done")
-        rows.append((f"  {prefix.rstrip('.') or 'source'}",
-                     f"pass {progress.get(f'{prefix}pass')}: {done} of {'?' if total is None else total} "
-                     "objects walked (their units read or being read)"))
+        rows.append((f"  {name or 'source'}",
+                     f"pass {progress.get(f'{prefix}pass')}: {units_cached.get(name, 0)} units cached; "
+                     f"{done} of {'?' if total is None else total} objects started"))
     return rows
+
+
+def _units_cached(config: Config, shards: list[ShardRecord]) -> dict[str, int]:
+    """Units held by the cached shards, per source name (a unit key starts with its object's path,
+    which starts with its source's URL, less the protocol)."""
+    prefixes = {source.name: source.url.split("://", 1)[-1].rstrip("/") for source in config.sources}
+    counts = dict.fromkeys(prefixes, 0)
+    for record in shards:
+        for unit in record.units:
+            name = next((n for n, prefix in prefixes.items() if unit.split("://", 1)[-1].startswith(prefix)), None)
+            if name is not None:
+                counts[name] += 1
+    return counts
