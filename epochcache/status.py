@@ -117,7 +117,8 @@ def format_status(status: dict[str, Any]) -> str:
         *_source_rows(status["progress"], status["units_cached"]),
         *_recorded_source_rows(status["daemon_detail"]),
     ]
-    width = max(len(key) for key, _ in rows)
+    # Sub-rows (skipped unit keys, lease owners) may be long: they overflow, the table keeps its width.
+    width = max(len(key) for key, _ in rows if not key.startswith("  "))
     lines = [f"{key:<{width}}  {value}" for key, value in rows]
     if status["shard_list"]:
         lines += ["", f"newest {len(status['shard_list'])} of {status['shards']} shards:",
@@ -236,7 +237,7 @@ def _progress(progress: dict[str, int | None] | None, cursor: dict[str, Any] | N
 
 
 def _source_rows(progress: dict[str, int | None] | None, units_cached: dict[str, int]) -> list[tuple[str, str]]:
-    """One row per source: ``pass 2: 17 units cached; 16 of 32 objects started`` (``?`` while the
+    """One row per source: ``pass 2: 17 units cached; 16 of 32 objects done`` (``?`` while the
     listing is not complete)."""
     rows = []
     progress = progress or {}
@@ -246,7 +247,7 @@ def _source_rows(progress: dict[str, int | None] | None, units_cached: dict[str,
         done = progress.get(f"{prefix}objects_done")
         rows.append((f"  {name or 'source'}",
                      f"pass {progress.get(f'{prefix}pass')}: {units_cached.get(name, 0)} units cached; "
-                     f"{done} of {'?' if total is None else total} objects started"))
+                     f"{done} of {'?' if total is None else total} objects done"))
     return rows
 
 
