@@ -158,6 +158,7 @@ def _sync(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     _warn_if_budget_exceeds_disk(config)
     with logging_redirect_tqdm():  # log lines print above the progress bar, not into it
+        install_filter()  # on the handler the redirect put in place (older tqdm does not copy filters)
         report = SyncDaemon(config, progress=False if args.no_progress else None).run(once=args.once)
     log.info(
         "%s: %d shards (%d samples, %d bytes) published, %d evicted",
