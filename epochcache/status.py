@@ -184,8 +184,10 @@ def _daemon_rows(daemon: dict[str, Any]) -> list[tuple[str, str]]:
                      + (f" ({human_bytes(rate)}/s since start)" if rate is not None else "")))
     if daemon["units_unread"]:
         rows.append(("units unread", f"{daemon['units_unread']} (skipped, not yet read again)"))
-    if daemon["settings"]:
-        rows.append(("settings", ", ".join(f"{k}={v}" for k, v in _flat(daemon["settings"]).items())))
+    # The text shows the daemon's own sections; --json has every recorded setting (secrets masked).
+    shown = {k: v for k, v in _flat(daemon["settings"]).items() if k.startswith(("cache.", "sampler."))}
+    if shown:
+        rows.append(("settings", ", ".join(f"{k}={v}" for k, v in shown.items())))
     return rows
 
 
