@@ -1,7 +1,7 @@
-"""The ``epochcache`` command: ``sync``, ``status``, ``verify``, ``gc`` and ``demo``.
+"""The epochcache command: sync, status, verify, gc, clear and demo.
 
-Every :class:`EpochcacheError` ends the command with one line on stderr (``epochcache: error: ...``)
-and exit code 2, never a traceback.
+Every EpochcacheError (and a missing-credentials error of the S3 client) ends the command with one
+line on stderr (``epochcache: error: ...``, secrets masked) and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -9,45 +9,111 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from epochcache.config import load_config
+from epochcache.config import Config, load_config
 from epochcache.errors import EpochcacheError
+from epochcache.redact import install_filter, redact_text
 
 log = logging.getLogger("epochcache")
+
+DESCRIPTION = """\
+Train PyTorch on a remote dataset far larger than the local disk: a sync daemon samples the remote
+into a local cache of Arrow shards under a hard byte budget; EpochCachedLoader trains on them.
+"""
+
+EPILOG = """\
+configuration:
+  config.yaml in the project is the complete, commented reference: every key, its default and
+  meaning (also in README.md, section Configuration). Precedence, lowest first: defaults < the YAML
+  file < environment variables EPOCHCACHE_<SECTION>__<KEY> (e.g. EPOCHCACHE_CACHE__MAX_BYTES=20GB)
+  < --set section.key=value. Errors name where the bad value was written.
+
+exit codes:
+  0  done (sync --once: every unit read)
+  1  verify found problems (without --fix); an unexpected failure (a bug: please report it)
+  2  an error of configuration, credentials, the remote or the cache: one line on stderr
+  3  sync --once finished, but some units were skipped and are still unread (see: epochcache status)
+
+-v shows epochcache's debug lines, -vv also the S3 client's and other libraries' info lines.
+"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    # Only our logger gets DEBUG: botocore's debug lines carry request headers, credentials included.
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    _setup_logging(getattr(args, "verbose", 0) or 0)
     try:
         return int(args.func(args))
     except EpochcacheError as exc:
-        print(f"epochcache: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc))
+    except Exception as exc:
+        # The S3 client raises its credential errors from deep inside a request: one line, not 80.
+        if not _no_credentials(exc):
+            raise
+        return _fail(f"no credentials for the remote ({exc}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                     "(or AWS_PROFILE), or storage_options.anon: true for a public bucket")
+
+
+def _fail(message: str) -> int:
+    print(f"epochcache: error: {redact_text(message)}", file=sys.stderr)
+    return 2
+
+
+def _no_credentials(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is botocore's missing/partial credentials."""
+    try:
+        from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+    except ImportError:  # no S3 client installed: it cannot have raised one
+        return False
+    seen: BaseException | None = exc
+    for _ in range(20):  # a chain is short; the bound guards against a cycle
+        if seen is None:
+            return False
+        if isinstance(seen, (NoCredentialsError, PartialCredentialsError)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _setup_logging(verbose: int) -> None:
+    """epochcache's own lines at INFO (DEBUG with -v); libraries' only at WARNING, or INFO with -vv
+    (never their DEBUG: botocore's carries request headers); every line through the redaction filter."""
+    logging.basicConfig(level=logging.INFO if verbose >= 2 else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.DEBUG if verbose else logging.INFO)
+    install_filter()
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="epochcache", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging of epochcache itself")
+    # -v is accepted before and after the command: a parent parser gives every subparser its own -v.
+    verbosity = argparse.ArgumentParser(add_help=False)
+    verbosity.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                           help="-v: epochcache's debug lines; -vv: also libraries' info lines")
+    parser = argparse.ArgumentParser(prog="epochcache", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, parents=[verbosity])
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    sync = commands.add_parser("sync", help="run the sync daemon: sample the remote into the cache")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help, description=help, epilog=EPILOG, parents=[verbosity],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    sync = command("sync", "run the sync daemon: sample the remote into the cache")
     _add_config_args(sync)
-    sync.add_argument("--once", action="store_true", help="stop when the budget is full or one pass is done")
+    sync.add_argument("--once", action="store_true",
+                      help="stop when the budget is full or one pass is done (exit 3 if units stayed unread)")
     sync.add_argument("--no-progress", action="store_true", help="no progress bar")
     sync.set_defaults(func=_sync)
 
-    status = commands.add_parser("status", help="show the cache: shards, bytes vs budget, leases")
+    status = command("status", "show the cache and its daemon: uptime, last error, settings, shards, "
+                               "budget, leases, skipped units, progress")
     _add_config_args(status)
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.set_defaults(func=_status)
 
-    verify = commands.add_parser("verify", help="check shards, checksums and ledger agree; exit 1 if not")
+    verify = command("verify", "check shards, checksums and ledger agree; exit 1 if not")
     _add_config_args(verify)
     verify.add_argument("--fix", action="store_true",
                         help="repair what disagrees (needs the daemon stopped): remove debris, adopt whole "
@@ -55,21 +121,29 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--json", action="store_true", help="print JSON instead of text")
     verify.set_defaults(func=_verify)
 
-    gc = commands.add_parser("gc", help="delete quarantined shards and expired leases (and crash debris if "
-                                        "no daemon runs)")
+    gc = command("gc", "delete quarantined shards and expired leases (and crash debris if no daemon runs)")
     _add_config_args(gc)
     gc.set_defaults(func=_gc)
 
-    demo = commands.add_parser("demo", help="generate a local dataset, sync it and train on it")
-    demo.add_argument("--dir", type=Path, default=Path("epochcache-demo"), help="demo folder (default: %(default)s)")
+    clear = command("clear", "empty the cache (shards, quarantine, ledger) so it can hold another dataset; "
+                             "refused while a daemon runs or a trainer holds a lease")
+    _add_config_args(clear)
+    clear.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    clear.set_defaults(func=_clear)
+
+    demo = command("demo", "generate a local dataset, sync it and train on it")
+    demo.add_argument("--dir", type=Path, default=Path("epochcache-demo"),
+                      help="demo folder (default: %(default)s)")
     demo.add_argument("--epochs", type=int, default=12, help="epochs to train (default: %(default)s)")
-    demo.add_argument("--samples", type=int, default=24576, help="samples in the generated remote (default: %(default)s)")
+    demo.add_argument("--samples", type=int, default=24576,
+                      help="samples in the generated remote (default: %(default)s)")
     demo.set_defaults(func=_demo)
     return parser
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", type=Path, default=Path("config.yaml"), help="config file (default: %(default)s)")
+    parser.add_argument("--config", "-c", type=Path, default=Path("config.yaml"),
+                        help="config file (default: %(default)s)")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a config key, e.g. --set cache.max_bytes=20GB (repeatable)",
@@ -77,16 +151,42 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _sync(args: argparse.Namespace) -> int:
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     from epochcache.daemon import SyncDaemon
 
     config = load_config(args.config, args.overrides)
-    report = SyncDaemon(config, progress=False if args.no_progress else None).run(once=args.once)
+    _warn_if_budget_exceeds_disk(config)
+    with logging_redirect_tqdm():  # log lines print above the progress bar, not into it
+        install_filter()  # on the handler the redirect put in place (older tqdm does not copy filters)
+        report = SyncDaemon(config, progress=False if args.no_progress else None).run(once=args.once)
     log.info(
         "%s: %d shards (%d samples, %d bytes) published, %d evicted",
         report.reason.value, report.shards_published, report.samples_published,
         report.bytes_published, report.evicted,
     )
+    if report.units_unread:
+        log.warning("%d units were skipped and are still unread: see `epochcache status` for the reasons",
+                    report.units_unread)
+        return 3
     return 0
+
+
+def _warn_if_budget_exceeds_disk(config: Config) -> None:
+    """Warn when ``cache.max_bytes`` is more than the cache's filesystem can give: its free space plus
+    what the cache already holds."""
+    path = Path(config.cache.dir)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    free = shutil.disk_usage(path).free
+    held = sum(f.stat().st_size for f in Path(config.cache.dir).rglob("*") if f.is_file())
+    budget = int(config.cache.max_bytes)
+    if budget > free + held:
+        from epochcache.status import human_bytes
+
+        log.warning("cache.max_bytes=%s is more than the cache's filesystem can hold (%s free, %s already "
+                    "cached): the disk fills before the budget; lower cache.max_bytes or free space",
+                    human_bytes(budget), human_bytes(free), human_bytes(held))
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -118,6 +218,23 @@ def _gc(args: argparse.Namespace) -> int:
 
     done = collect_garbage(load_config(args.config, args.overrides))
     print("gc: " + ", ".join(f"{n} {what}" for what, n in done.items()))
+    return 0
+
+
+def _clear(args: argparse.Namespace) -> int:
+    from epochcache.clear import clear_cache, existing_layout
+
+    config = load_config(args.config, args.overrides)
+    root = existing_layout(config).root
+    if not args.yes:
+        if not sys.stdin.isatty():
+            return _fail(f"clear deletes every shard and the ledger of {str(root)!r}: add --yes to confirm")
+        if input(f"delete every shard and the ledger of {root}? [y/N] ").strip().lower() not in ("y", "yes"):
+            print("clear: nothing deleted")
+            return 1
+    done = clear_cache(config)
+    print(f"clear: {done['shards']} shards and {done['quarantined']} quarantined shards deleted "
+          f"({done['bytes']} bytes), ledger emptied: {root}")
     return 0
 
 

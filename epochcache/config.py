@@ -9,13 +9,16 @@ Relative local paths (``cache.dir``, a scheme-less ``source.url``) are resolved 
 of the YAML file, so a config means the same thing from any working directory.
 
 Invariant: a :class:`Config` that exists is valid; every error is a :class:`ConfigError` whose one-line
-message names the dotted key path and the bad value.
+message names where the bad value was written (the YAML file, ``environment variable EPOCHCACHE_...``
+or ``--set key=value`` as given), the dotted key path and the value, with secrets masked
+(:mod:`epochcache.redact`).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -34,8 +37,11 @@ from pydantic import (
 
 from epochcache.errors import ConfigError
 from epochcache.ledger import LEDGER_RESERVE
+from epochcache.redact import MASK, is_secret_name, redact_text
 
 ENV_PREFIX = "EPOCHCACHE_"
+# The single `source:` is validated as entry 0 of `sources`; errors name it as the user wrote it.
+_SHORTHAND = re.compile(r"\bsources\.0(?=[.:= ]|$)")
 
 
 class _Section(BaseModel):
@@ -278,46 +284,75 @@ def load_config(
     to read ``EPOCHCACHE_*`` variables from (default ``os.environ``). Raises :class:`ConfigError`.
     """
     data: dict[str, Any] = {}
-    origin = "defaults"
+    file_origin = "defaults"
     base_dir = Path.cwd()
     if path is not None:
-        origin = str(path)
+        file_origin = str(path)
         base_dir = Path(path).resolve().parent
         data = _read_yaml(Path(path))
+    # dotted key -> where its value was written, for errors: the env var's name, the --set flag.
+    origins: dict[str, str] = {}
     env_items = [
-        (key[len(ENV_PREFIX) :].lower().replace("__", "."), value)
+        (key[len(ENV_PREFIX) :].lower().replace("__", "."), value, f"environment variable {key}")
         for key, value in (os.environ if env is None else env).items()
         if key.startswith(ENV_PREFIX) and "__" in key
     ]
-    for dotted, raw in env_items:
-        _set_dotted(data, dotted, _parse_scalar(raw))
-    items = overrides.items() if isinstance(overrides, Mapping) else map(_split_override, overrides)
-    for dotted, value in items:
-        _set_dotted(data, dotted, _parse_scalar(value) if isinstance(value, str) else value)
+    if isinstance(overrides, Mapping):
+        flag_items = [(dotted, value, f"override {dotted}") for dotted, value in overrides.items()]
+    else:
+        flag_items = [(dotted, value, f"--set {dotted}={_shown(dotted, value)}")
+                      for dotted, value in map(_split_override, overrides)]
+    for dotted, value, origin in [*env_items, *flag_items]:
+        _set_dotted(data, dotted, _parse_scalar(value) if isinstance(value, str) else value, origin)
+        origins[dotted] = origin
     try:
         return Config.model_validate(data, context={"base_dir": base_dir})
     except ValidationError as exc:
-        message = format_validation_error(exc)
-        if "source" in data:  # the shorthand's entry: name its keys as the user wrote them
-            message = message.replace("sources.0.", "source.")
-        raise ConfigError(f"{origin}: {message}") from None
+        shorthand = "source" in data  # the shorthand's entry: name its keys as the user wrote them
+        parts = []
+        for loc, text in _error_parts(exc):
+            if shorthand:
+                loc, text = _SHORTHAND.sub("source", loc, count=1), _SHORTHAND.sub("source", text)
+            parts.append(f"{_origin_of(loc, origins, file_origin)}: {text}")
+        raise ConfigError(redact_text("; ".join(parts))) from None
+
+
+def _origin_of(loc: str, origins: Mapping[str, str], file_origin: str) -> str:
+    """Where the value at ``loc`` came from: the flag or env var that set it (or, for a section-level
+    error, the last one that set a key of the section), else the YAML file."""
+    for dotted in sorted(origins, key=len, reverse=True):
+        if loc == dotted or loc.startswith(dotted + "."):
+            return origins[dotted]
+    below = [origin for dotted, origin in origins.items() if dotted.startswith(loc + ".")]
+    return below[-1] if below else file_origin
 
 
 def format_validation_error(exc: ValidationError) -> str:
-    """One line per pydantic error list: ``key.path = value: reason`` joined by ``; ``."""
+    """One line per pydantic error list: ``key.path = value: reason`` joined by ``; ``, secrets masked."""
+    return redact_text("; ".join(text for _, text in _error_parts(exc)))
+
+
+def _error_parts(exc: ValidationError) -> list[tuple[str, str]]:
+    """``(dotted key path, "key.path = value: reason")`` for each of pydantic's errors."""
     parts = []
     for err in exc.errors(include_url=False):
         loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
         if err["type"] == "extra_forbidden":
-            parts.append(f"{loc}: unknown key; {_valid_keys_hint(err['loc'])}")
+            parts.append((loc, f"{loc}: unknown key; {_valid_keys_hint(err['loc'])}"))
         elif err["type"] == "missing":
-            parts.append(f"{loc}: required key is missing")
+            parts.append((loc, f"{loc}: required key is missing"))
         else:
             msg = err["msg"].removeprefix("Value error, ")
             # A section-level check names its keys in the message; its input is the whole section.
-            value = "" if isinstance(err["input"], dict) else f" = {err['input']!r}"
-            parts.append(f"{loc}{value}: {msg}")
-    return "; ".join(parts)
+            value = "" if isinstance(err["input"], dict) else f" = {_shown(loc, err['input'])!r}"
+            parts.append((loc, f"{loc}{value}: {msg}"))
+    return parts
+
+
+def _shown(dotted: str, value: Any) -> Any:
+    """``value`` as an error may echo it: masked under ``storage_options`` (any value there may be a
+    credential, whatever its key is called) and for secret-named keys."""
+    return MASK if "storage_options" in dotted.split(".") or is_secret_name(dotted.rsplit(".", 1)[-1]) else value
 
 
 def _valid_keys_hint(loc: tuple[int | str, ...]) -> str:
@@ -355,7 +390,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 def _split_override(item: str) -> tuple[str, str]:
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        # No '=' or no key: nothing that could be a secret's value to mask.
+        raise ConfigError(f"--set {item!r} is not of the form section.key=value")
     return key.strip(), value
 
 
@@ -367,12 +403,12 @@ def _parse_scalar(raw: str) -> Any:
         return raw
 
 
-def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any, origin: str) -> None:
     *parents, leaf = dotted.split(".")
     node = data
     for part in parents:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"{dotted}: {part!r} is a value, not a section")
+            raise ConfigError(redact_text(f"{origin}: {dotted}: {part!r} is a value, not a section"))
         node = child
     node[leaf] = value

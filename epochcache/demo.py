@@ -26,8 +26,9 @@ import pyarrow.parquet as pq
 import yaml
 
 from epochcache.config import load_config
-from epochcache.ledger import Ledger
+from epochcache.errors import LoaderError
 from epochcache.layout import CacheLayout
+from epochcache.ledger import Ledger
 from epochcache.status import human_bytes
 
 IMAGE_SHAPE = (3, 64, 64)
@@ -130,7 +131,8 @@ def _train(torch: ModuleType, config_path: Path, epochs: int, out: TextIO) -> li
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     config = load_config(config_path)
     ledger = Ledger(CacheLayout.create(config.cache.dir).ledger)
-    header = f"{'epoch':>5} {'shards':>6} {'samples':>8} {'cache bytes / budget':>24} {'evicted':>7} {'samples/s':>10} {'first-batch wait':>16} {'loss':>6} {'acc':>6}"
+    header = (f"{'epoch':>5} {'shards':>6} {'samples':>8} {'cache bytes / budget':>24} {'evicted':>7} "
+              f"{'samples/s':>10} {'first-batch wait':>16} {'loss':>6} {'acc':>6}")
     print(header, file=out, flush=True)
     rows = []
     with EpochCachedLoader.from_config(config_path) as loader:
@@ -151,16 +153,20 @@ def _train(torch: ModuleType, config_path: Path, epochs: int, out: TextIO) -> li
                 loss_sum += float(loss.detach()) * len(labels)
             elapsed = time.monotonic() - start
             info = loader.last_epoch
+            if info is None:  # set by every epoch that ran; None would be a loader bug
+                raise LoaderError("the demo's epoch ended without an EpochInfo (loader.last_epoch is None)")
+            budget_bytes = int(config.cache.max_bytes)
             cache_bytes = ledger.usage().total
             evicted = ledger.counters().get("evicted", 0)
             row = {"epoch": info.epoch, "shards": info.shards, "samples": seen, "cache_bytes": cache_bytes,
-                   "budget": int(config.cache.max_bytes), "evicted": evicted, "samples_per_s": seen / elapsed,
+                   "budget": budget_bytes, "evicted": evicted, "samples_per_s": seen / elapsed,
                    "first_batch_wait_s": info.first_batch_wait_s or 0.0,
                    "loss": loss_sum / max(seen, 1), "accuracy": correct / max(seen, 1)}
             rows.append(row)
-            budget = f"{human_bytes(cache_bytes)} / {human_bytes(row['budget'])}"
-            print(f"{row['epoch']:>5} {row['shards']:>6} {seen:>8} {budget:>24} {evicted:>7} {row['samples_per_s']:>10.0f} "
-                  f"{row['first_batch_wait_s'] * 1000:>14.1f}ms {row['loss']:>6.3f} {row['accuracy']:>6.3f}",
+            budget = f"{human_bytes(cache_bytes)} / {human_bytes(budget_bytes)}"
+            print(f"{row['epoch']:>5} {row['shards']:>6} {seen:>8} {budget:>24} {evicted:>7} "
+                  f"{row['samples_per_s']:>10.0f} {row['first_batch_wait_s'] * 1000:>14.1f}ms "
+                  f"{row['loss']:>6.3f} {row['accuracy']:>6.3f}",
                   file=out, flush=True)
     ledger.close()
     return rows

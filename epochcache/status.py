@@ -1,39 +1,51 @@
 """What a cache directory holds right now, for ``epochcache status`` and the demo.
 
 Flow: Config -> ``cache_status`` (a JSON-ready dict read from the ledger, never from a directory
-scan) -> ``format_status`` (a text table). Nothing here writes to the cache.
+scan, and from the state the running daemon records there) -> ``format_status`` (a text table).
+Nothing here writes to the cache, and a cache dir that does not exist is an error, never created.
+The daemon part reports what the daemon itself recorded (its effective settings, its uptime, its
+last error), not the config file given to ``status``. Secrets in recorded settings are masked.
 """
 
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from typing import Any
 
 from pydantic import ByteSize
 
+from epochcache.clear import existing_layout
 from epochcache.config import Config
 from epochcache.layout import CacheLayout
-from epochcache.ledger import Ledger
+from epochcache.ledger import Ledger, ShardRecord
 from epochcache.lockfile import holder
+from epochcache.redact import redact
 
-# The per-shard table lists this many of the newest shards; the totals cover all of them.
+# The per-shard and skipped-unit tables list this many rows; the totals cover all of them.
 SHARD_ROWS = 20
+SKIPPED_ROWS = 20
 
 
 def cache_status(config: Config) -> dict[str, Any]:
     """A JSON-ready summary: shards, samples, bytes vs budget, leases, evictions, quarantine,
-    the daemon's state and the sampler's progress through the current pass."""
-    layout = CacheLayout.create(config.cache.dir)
+    the daemon's state (uptime, last error, effective settings, fetch rate), skipped units with
+    their reasons and the sampler's progress through the current pass. :class:`CacheError` if
+    ``config.cache.dir`` holds no cache."""
+    layout = existing_layout(config)
     ledger = Ledger(layout.ledger)
     try:
         usage = ledger.usage()
         now = time.time()
         shards = ledger.shards()
         cursor = ledger.cursor()
+        skipped = ledger.skipped()
+        daemon = daemon_status(layout, ledger.daemon_state(), now)
         return {
             "cache_dir": str(layout.root),
             "source": ", ".join(source.url for source in config.sources),
-            "daemon": _daemon(layout, ledger.daemon_state(), now),
+            "daemon": daemon.pop("summary"),  # one line; the details below
+            "daemon_detail": daemon,
             "shards": usage.shards,
             "samples": usage.rows,
             "bytes": usage.total,
@@ -41,7 +53,8 @@ def cache_status(config: Config) -> dict[str, Any]:
             "reserved_bytes": usage.reserved_bytes,
             "quarantined_bytes": usage.quarantined_bytes,
             "ledger_bytes": usage.ledger_bytes,
-            "max_bytes": int(config.cache.max_bytes),
+            # The running daemon's budget (its --set / env included) when it recorded one, else the file's.
+            "max_bytes": int(_setting(daemon, "cache.max_bytes", config.cache.max_bytes)),
             "eviction": config.cache.eviction,
             "max_uses": config.cache.max_uses,
             "shard_list": [
@@ -58,8 +71,14 @@ def cache_status(config: Config) -> dict[str, Any]:
                 {"id": q.record.id, "bytes": q.record.nbytes, "reason": q.reason, "age_s": round(now - q.at, 1)}
                 for q in ledger.quarantined()
             ],
+            "skipped_units": len(skipped),
+            "skipped": [
+                {"unit": key, "path": info.get("path"), "index": info.get("index"), "reason": info.get("error")}
+                for key, info in sorted(skipped.items())[:SKIPPED_ROWS]
+            ],
             "counters": ledger.counters(),
             "progress": (cursor or {}).get("progress"),
+            "units_cached": _units_cached(config, shards),
             "cursor": cursor,
         }
     finally:
@@ -75,6 +94,7 @@ def format_status(status: dict[str, Any]) -> str:
         ("cache dir", status["cache_dir"]),
         ("source", status["source"]),
         ("daemon", status["daemon"]),
+        *_daemon_rows(status["daemon_detail"]),
         ("shards", f"{status['shards']}"),
         ("samples", f"{status['samples']}"),
         ("bytes", f"{human_bytes(used)} of {human_bytes(budget)} ({100 * used / budget:.1f}%): " + ", ".join(
@@ -90,9 +110,15 @@ def format_status(status: dict[str, Any]) -> str:
         ("quarantined", f"{counters.get('quarantined', 0)} so far, {len(status['quarantined'])} kept"),
         *((f"  {q['id']}", f"{human_bytes(q['bytes'])}, {q['age_s']}s ago: {q['reason']}")
           for q in status["quarantined"]),
+        ("skipped units", f"{status['skipped_units']}" + (" (retried at the end of each pass)"
+                                                           if status["skipped_units"] else "")),
+        *((f"  {u['unit']}", f"{u['reason']}") for u in status["skipped"]),
         ("progress", _progress(status["progress"], status["cursor"])),
+        *_source_rows(status["progress"], status["units_cached"]),
+        *_recorded_source_rows(status["daemon_detail"]),
     ]
-    width = max(len(key) for key, _ in rows)
+    # Sub-rows (skipped unit keys, lease owners) may be long: they overflow, the table keeps its width.
+    width = max(len(key) for key, _ in rows if not key.startswith("  "))
     lines = [f"{key:<{width}}  {value}" for key, value in rows]
     if status["shard_list"]:
         lines += ["", f"newest {len(status['shard_list'])} of {status['shards']} shards:",
@@ -106,16 +132,96 @@ def human_bytes(n: int) -> str:
     return ByteSize(n).human_readable(decimal=True)
 
 
-def _daemon(layout: CacheLayout, state: dict[str, Any] | None, now: float) -> str:
-    """"running pid N: <state> since ...", or why no daemon runs."""
+def daemon_status(layout: CacheLayout, state: dict[str, Any] | None, now: float) -> dict[str, Any]:
+    """The daemon as JSON: ``running``, ``pid``, ``state``, ``in_state_s``, ``uptime_s``,
+    ``last_error`` / ``last_error_at``, ``fetch_bytes_per_s``, ``units_unread``, ``settings`` (masked),
+    ``sources`` (its per-source progress) and a one-line ``summary``. Every recorded key is read
+    with ``.get``: a daemon of another version may record fewer."""
     pid = holder(layout.lock)
-    if pid is None:
-        last = f" (last pid {state['pid']})" if state else ""
-        return f"not running{last}"
-    if state is None or state.get("pid") != pid:
-        return f"locked by pid {pid}"
-    detail = f" ({state['error']})" if state.get("error") else ""
-    return f"running pid {pid}: {state['state']} for {now - state['since']:.0f}s{detail}"
+    state = state or {}
+    ours = pid is not None and state.get("pid") == pid
+    started = state.get("started")
+    uptime = now - started if ours and isinstance(started, (int, float)) else None
+    fetched = state.get("fetched_bytes")
+    out: dict[str, Any] = {
+        "running": pid is not None,
+        "pid": pid,
+        "state": state.get("state") if ours else None,
+        "in_state_s": round(now - state["since"], 1) if ours and "since" in state else None,
+        "uptime_s": None if uptime is None else round(uptime, 1),
+        "last_error": state.get("last_error") or state.get("error"),
+        "last_error_at": state.get("last_error_at"),
+        "fetched_bytes": fetched,
+        "fetch_bytes_per_s": round(fetched / uptime) if uptime and isinstance(fetched, (int, float)) else None,
+        "units_unread": state.get("units_unread"),
+        "settings": redact(state.get("settings") or {}),
+        "sources": state.get("sources") or state.get("progress") or {},
+    }
+    out["summary"] = _summary(out, state)
+    return out
+
+
+def _summary(daemon: dict[str, Any], state: dict[str, Any]) -> str:
+    """"running pid N: <state> for 5s, up 1h02m", or why no daemon runs."""
+    if not daemon["running"]:
+        return "not running" + (f" (last pid {state['pid']})" if state.get("pid") else "")
+    if daemon["state"] is None:
+        return f"locked by pid {daemon['pid']}"
+    up = f", up {_duration(daemon['uptime_s'])}" if daemon["uptime_s"] is not None else ""
+    since = f" for {_duration(daemon['in_state_s'])}" if daemon["in_state_s"] is not None else ""
+    return f"running pid {daemon['pid']}: {daemon['state']}{since}{up}"
+
+
+def _daemon_rows(daemon: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    if daemon["last_error"]:
+        at = daemon["last_error_at"]
+        when = f"since {datetime.fromtimestamp(at).strftime('%H:%M:%S')}" if isinstance(at, (int, float)) else ""
+        rows.append(("last error", f"{when}{': ' if when else ''}{daemon['last_error']}"))
+    if daemon["fetched_bytes"] is not None:
+        rate = daemon["fetch_bytes_per_s"]
+        rows.append(("fetched", human_bytes(int(daemon["fetched_bytes"]))
+                     + (f" ({human_bytes(rate)}/s since start)" if rate is not None else "")))
+    if daemon["units_unread"]:
+        rows.append(("units unread", f"{daemon['units_unread']} (skipped, not yet read again)"))
+    # The text shows the daemon's own sections; --json has every recorded setting (secrets masked).
+    shown = {k: v for k, v in _flat(daemon["settings"]).items() if k.startswith(("cache.", "sampler."))}
+    if shown:
+        rows.append(("settings", ", ".join(f"{k}={v}" for k, v in shown.items())))
+    return rows
+
+
+def _recorded_source_rows(daemon: dict[str, Any]) -> list[tuple[str, str]]:
+    """The daemon's own per-source progress, ``name: key value, ...``, as it recorded it."""
+    return [(f"  {name or 'source'}", ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in progress.items()))
+            for name, progress in sorted(daemon["sources"].items()) if isinstance(progress, dict)]
+
+
+def _setting(daemon: dict[str, Any], dotted: str, default: Any) -> Any:
+    """A setting the running daemon recorded (flat ``{"cache.max_bytes": ...}`` or nested), else ``default``."""
+    settings = daemon["settings"] if daemon["running"] else {}
+    value = _flat(settings).get(dotted)
+    return default if value is None else value
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _duration(seconds: float) -> str:
+    """``42s``, ``5m07s``, ``3h02m``."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _evictions(counters: dict[str, int]) -> dict[str, int]:
@@ -123,7 +229,38 @@ def _evictions(counters: dict[str, int]) -> dict[str, int]:
 
 
 def _progress(progress: dict[str, int | None] | None, cursor: dict[str, Any] | None) -> str:
-    """The sampler's progress mapping as ``key value`` pairs, else the raw cursor."""
-    if progress:
+    """This node's share and the skip count; per-source progress follows in :func:`_source_rows`."""
+    if progress and "node_rank" in progress:
+        node = f"node {progress.get('node_rank')} of {progress.get('num_nodes')}"
+        return f"{node}, {progress.get('units_skipped', 0)} unit skips this run"
+    if progress:  # a cursor of another shape: its pairs as they are
         return ", ".join(f"{key} {'?' if value is None else value}" for key, value in progress.items())
     return f"{cursor}" if cursor else "not started"
+
+
+def _source_rows(progress: dict[str, int | None] | None, units_cached: dict[str, int]) -> list[tuple[str, str]]:
+    """One row per source: ``pass 2: 17 units cached; 16 of 32 objects done`` (``?`` while the
+    listing is not complete)."""
+    rows = []
+    progress = progress or {}
+    for prefix in sorted({key[: -len("pass")] for key in progress if key.endswith("pass")}):
+        name = prefix.rstrip(".")
+        total = progress.get(f"{prefix}objects_total")
+        done = progress.get(f"{prefix}objects_done")
+        rows.append((f"  {name or 'source'}",
+                     f"pass {progress.get(f'{prefix}pass')}: {units_cached.get(name, 0)} units cached; "
+                     f"{done} of {'?' if total is None else total} objects done"))
+    return rows
+
+
+def _units_cached(config: Config, shards: list[ShardRecord]) -> dict[str, int]:
+    """Units held by the cached shards, per source name (a unit key starts with its object's path,
+    which starts with its source's URL, less the protocol)."""
+    prefixes = {source.name: source.url.split("://", 1)[-1].rstrip("/") for source in config.sources}
+    counts = dict.fromkeys(prefixes, 0)
+    for record in shards:
+        for unit in record.units:
+            name = next((n for n, prefix in prefixes.items() if unit.split("://", 1)[-1].startswith(prefix)), None)
+            if name is not None:
+                counts[name] += 1
+    return counts

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import fsspec
+import pytest
 import yaml
-
 from conftest import write_parquet_dataset
+
 from epochcache.cli import main
 
 
@@ -34,8 +36,10 @@ def test_sync_once_then_status_json(tmp_path: Path, capsys) -> None:
     status = json.loads(capsys.readouterr().out)
     assert status["samples"] == 3 * 64 and status["shards"] > 0
     assert 0 < status["bytes"] <= status["max_bytes"] == 5_000_000
+    assert status["units_cached"] == {"": 3 * 2}  # 3 files of 2 row groups, one unnamed source
     assert main(["status", "--config", str(config)]) == 0
-    assert "samples" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "samples" in table and "pass 1: 6 units cached; 0 of ? objects done" in table, table  # pass 0 done
 
 
 def test_set_override_is_validated(tmp_path: Path, capsys) -> None:
@@ -45,9 +49,11 @@ def test_set_override_is_validated(tmp_path: Path, capsys) -> None:
     assert len(err) == 1 and "cache.max_bytes" in err[0] and "'lots'" in err[0]
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "epochcache", "demo", "--dir", str(tmp_path / "demo"), "--epochs", "3", "--samples", "1536"],
+        [sys.executable, "-m", "epochcache", "demo", "--dir", str(tmp_path / "demo"), "--epochs", "3",
+         "--samples", "1536"],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -130,3 +136,110 @@ def test_verify_fix_refused_while_a_daemon_runs(tmp_path: Path, capsys) -> None:
         assert len(err) == 1 and "verify --fix" in err[0] and "stop it first" in err[0]
         assert main(["verify", "--config", config, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["daemon_running"] is True
+
+
+def _cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m epochcache ARGS`` in a real process; its output and exit code."""
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
+                                                           os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "epochcache", *args], capture_output=True, text=True,
+                          timeout=120, env=full_env, cwd=cwd)
+
+
+def test_help_points_to_the_reference_and_env_vars_without_markup() -> None:
+    for args in (["--help"], ["sync", "--help"], ["clear", "--help"]):
+        result = _cli(*args)
+        assert result.returncode == 0, result.stderr
+        assert "``" not in result.stdout
+        assert "config.yaml" in result.stdout and "EPOCHCACHE_<SECTION>__<KEY>" in result.stdout
+        assert "exit codes" in result.stdout and "3  sync --once" in result.stdout
+
+
+def test_env_var_error_names_the_variable_not_the_file(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    result = _cli("status", "--config", str(config), env={"EPOCHCACHE_CACHE__MAX_BYTES": "lots"})
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(err) == 1, result.stderr
+    assert err[0].startswith("epochcache: error: environment variable EPOCHCACHE_CACHE__MAX_BYTES: cache.max_bytes")
+    assert str(config) not in err[0]
+
+
+def test_verbose_flag_after_the_command_and_library_info_quiet(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    result = _cli("sync", "--config", str(config), "--once", "--no-progress", "-v")
+    assert result.returncode == 0, result.stderr
+    assert "DEBUG epochcache" in result.stderr
+    assert "INFO botocore" not in result.stderr and "INFO aiobotocore" not in result.stderr
+
+
+def test_status_of_a_mistyped_cache_dir_is_one_line_and_creates_nothing(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    result = _cli("status", "--config", str(config), "--set", "cache.dir=cahce")
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(err) == 1, result.stderr
+    assert "cache.dir" in err[0] and "cahce" in err[0] and "does not exist" in err[0]
+    assert not (tmp_path / "cahce").exists()
+
+
+def test_no_credentials_is_one_line_exit_2(s3_endpoint: str, tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({
+        "source": {"url": "s3://no-such-bucket-creds/data/",
+                   "storage_options": {"client_kwargs": {"endpoint_url": s3_endpoint}}},
+        "cache": {"dir": "cache"},
+        "sampler": {"max_attempts": 1},
+    }))
+    env = {key: value for key, value in os.environ.items() if not key.startswith("AWS_")}
+    env |= {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none"),
+            "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1"}
+    result = subprocess.run([sys.executable, "-m", "epochcache", "sync", "--config", str(path), "--once",
+                             "--no-progress"], capture_output=True, text=True, timeout=120, env=env)
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(err) == 1 and err[0].startswith("epochcache: error:") and "credentials" in err[0].lower(), err
+
+
+def test_sync_once_exits_3_when_units_stay_unread(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from epochcache.daemon import SyncDaemon, SyncReport
+
+    config = _config(tmp_path)
+    real_run = SyncDaemon.run
+
+    def run_leaving_one_unread(self: SyncDaemon, once: bool = False, stop=None) -> SyncReport:
+        # Fault injection: the run is real; its report says one unit stayed skipped.
+        report = real_run(self, once=once, stop=stop)
+        report.units_unread = 1
+        return report
+
+    monkeypatch.setattr(SyncDaemon, "run", run_leaving_one_unread)
+    assert main(["sync", "--config", str(config), "--once", "--no-progress"]) == 3
+    assert "1 units were skipped and are still unread" in caplog.text
+
+
+def test_budget_over_the_free_space_warns(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    result = _cli("sync", "--config", str(config), "--once", "--no-progress", "--set", "cache.max_bytes=1000PB")
+    assert result.returncode == 0, result.stderr
+    assert "cache.max_bytes=1.0EB is more than the cache's filesystem can hold" in result.stderr
+
+
+def test_clear_refuses_without_yes_then_empties_the_cache(tmp_path: Path, capsys) -> None:
+    config = _config(tmp_path)
+    assert main(["sync", "--config", str(config), "--once", "--no-progress"]) == 0
+    result = _cli("clear", "--config", str(config))  # no terminal: no prompt, no deletion
+    assert result.returncode == 2 and "--yes" in result.stderr
+    assert any((tmp_path / "cache" / "shards").iterdir())
+    result = _cli("clear", "--config", str(config), "--yes")
+    assert result.returncode == 0, result.stderr
+    assert "shards" in result.stdout and "deleted" in result.stdout
+    capsys.readouterr()
+    assert main(["status", "--config", str(config), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["shards"], status["samples"], status["bytes"] - status["ledger_bytes"]) == (0, 0, 0)
+    assert main(["sync", "--config", str(config), "--once", "--no-progress"]) == 0  # a fresh cache fills again
+    capsys.readouterr()
+    assert main(["status", "--config", str(config), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["samples"] == 3 * 64

@@ -308,3 +308,35 @@ def test_rate_cap_must_be_positive(tmp_path: Path) -> None:
     path = minimal(tmp_path, sampler={"max_bytes_per_s": 0})
     with pytest.raises(ConfigError, match=r"sampler\.max_bytes_per_s"):
         load_config(path, env={})
+
+
+def test_errors_name_the_origin_as_written(tmp_path: Path) -> None:
+    path = minimal(tmp_path, sampler={"concurrency": 0})
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides=["cache.max_bytes=lots"], env={"EPOCHCACHE_LOADER__BATCH_SIZE": "0"})
+    parts = str(info.value).split("; ")
+    assert any(p.startswith(f"{path}: sampler.concurrency = 0") for p in parts), parts
+    assert any(p.startswith("--set cache.max_bytes=lots: cache.max_bytes = 'lots'") for p in parts), parts
+    assert any(p.startswith("environment variable EPOCHCACHE_LOADER__BATCH_SIZE: loader.batch_size = 0")
+               for p in parts), parts
+
+
+def test_a_section_check_names_the_override_that_broke_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(minimal(tmp_path), env={"EPOCHCACHE_CACHE__MAX_BYTES": "1MB"})
+    assert str(info.value).startswith("environment variable EPOCHCACHE_CACHE__MAX_BYTES: cache: max_bytes=")
+
+
+def test_errors_never_echo_storage_options_secrets(tmp_path: Path) -> None:
+    secrets = {"key": "AKIAEXAMPLE0001", "secret": "very-secret-0001", "token": "session-token-0001"}
+    path = write_yaml(tmp_path / "config.yaml", {
+        "sources": [{"url": "s3://b/x/", "storage_options": secrets}],  # no weight
+        "cache": {"dir": str(tmp_path / "cache")},
+    })
+    for overrides in ([], ["source.storage_options.secret.sub=1"]):
+        with pytest.raises(ConfigError) as info:
+            load_config(path, overrides=overrides, env={})
+        assert not any(value in str(info.value) for value in secrets.values()), str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_config(minimal(tmp_path), overrides=["source.storage_options=very-secret-0001"], env={})
+    assert "source.storage_options" in str(info.value) and "very-secret-0001" not in str(info.value)

@@ -69,6 +69,7 @@ def _finish(procs: list[subprocess.Popen[bytes]]) -> list[str]:
     return outputs
 
 
+@pytest.mark.slow
 def test_two_nodes_two_ranks_each_equal_batches_disjoint_samples(tmp_path: Path) -> None:
     caches = {node: _node_cache(tmp_path, node) for node in NODES}
     out = tmp_path / "out"

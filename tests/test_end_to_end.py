@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pytest
 import s3fs
 
 from conftest import DaemonThread, UnitLog, make_table, wait_for, write_parquet_dataset
@@ -57,6 +58,7 @@ def _cached_keys(config: Config) -> list[str]:
     return keys
 
 
+@pytest.mark.slow
 def test_remote_to_three_epochs_within_budget_and_resumable(
     s3: s3fs.S3FileSystem, bucket: str, s3_options: dict[str, Any], make_config: Callable[..., Config]
 ) -> None:

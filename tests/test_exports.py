@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +53,22 @@ def test_cli_import_does_not_import_torch() -> None:
     code = "import sys, epochcache.cli, epochcache.daemon, epochcache.status; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "False", result.stderr
+
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def test_readme_layout_names_every_module() -> None:
+    layout = README.read_text(encoding="utf-8").split("## Layout", 1)[1]
+    package = Path(epochcache.__file__).parent
+    missing = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                     if f"`{path.name}`" not in layout and path.name != "__init__.py")
+    assert missing == [], f"README.md's Layout does not name {missing}"
+
+
+def test_readme_links_stay_in_the_repository() -> None:
+    text = README.read_text(encoding="utf-8")
+    for target in re.findall(r"\]\(([^)]+)\)", text):
+        assert "://" not in target and not target.startswith(".."), target
+        assert (README.parent / target.split("#")[0]).exists(), target
+    assert "shared/" not in text

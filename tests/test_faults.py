@@ -62,6 +62,7 @@ def _assert_rows_intact(table: pa.Table) -> None:
     assert (images == (ids % 251).astype(np.uint8)[:, None]).all(), "a corrupt sample was cached"
 
 
+@pytest.mark.slow
 def test_ten_percent_faults_every_unit_published_once_or_skipped(
     s3: Any, bucket: str, proxy: FaultProxy, make_config: Callable[..., Config], caplog: pytest.LogCaptureFixture
 ) -> None:

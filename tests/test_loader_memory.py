@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import fsspec
+import pytest
 from conftest import wait_for, write_parquet_dataset
 
 from epochcache import EpochCachedLoader, SyncDaemon
@@ -21,6 +22,7 @@ EPOCHS = 20
 MEASURE_AT = 2  # a batch early in each epoch: the next epoch's workers are not started yet
 
 
+@pytest.mark.slow
 def test_process_tree_pss_grows_under_2_percent_from_epoch_2_to_20(
     tmp_path: Path, make_config: Callable[..., Config]
 ) -> None:

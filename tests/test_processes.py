@@ -79,6 +79,7 @@ def _bytes_under(root: Path) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_kill_9_daemon_30_times(tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:
     files, rows = 32, 256
     config = _config(tmp_path, files, rows, 16, max_bytes="50MB", shard_bytes="64KiB",
@@ -149,6 +150,7 @@ def test_kill_9_mid_write_and_before_publish(
     ledger.close()
 
 
+@pytest.mark.slow
 def test_two_trainers_never_see_the_budget_overrun(tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:
     files, rows = 10, 1024
     dataset = files * rows * ROW_BYTES
@@ -189,6 +191,7 @@ def test_two_trainers_never_see_the_budget_overrun(tmp_path: Path, procs: list[s
     ledger.close()
 
 
+@pytest.mark.slow
 def test_killed_trainer_lease_expires_and_eviction_resumes(
     tmp_path: Path, procs: list[subprocess.Popen[Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -273,6 +273,7 @@ def test_two_s3_prefixes_each_complete_one_pass_once(
                                  "text": {"pass": 1, "group": 0, "step": 0}}, "each source ended its own pass 0"
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_two_source_daemon_neither_repeats_nor_skips(tmp_path: Path) -> None:
     one = _write(tmp_path / "one", files=4, rows_per_file=512)
     two = _write(tmp_path / "two", files=8, rows_per_file=512)

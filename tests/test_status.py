@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections.abc import Callable
 
 from epochcache.config import Config
 from epochcache.evict import Fifo
 from epochcache.layout import CacheLayout
 from epochcache.ledger import PUBLISH_GROWTH, Ledger, ShardRecord
+from epochcache.lockfile import exclusive
 from epochcache.status import cache_status, format_status
 
 
@@ -42,6 +46,62 @@ def test_status_reports_shards_leases_evictions_quarantine_and_progress(
     assert "host:42:epoch3" in table and "2 shards, age" in table
     assert "1 (1 fifo)" in next(line for line in table.splitlines() if line.startswith("evicted"))
     assert "s3" in table and "checksum mismatch" in table
-    assert "pass 0, units done 4, units ?" in table
+    assert "pass 0, units done 4, units ?" in table  # a progress mapping of another shape, as it is
     assert "newest 2 of 2 shards" in table
     ledger.close()
+
+
+def test_status_shows_the_running_daemons_uptime_error_settings_rate_skips_and_sources(
+    make_config: Callable[..., Config],
+) -> None:
+    config = make_config("remote", **{"cache.max_bytes": "10MB", "cache.shard_bytes": "1MB"})
+    layout = CacheLayout.create(config.cache.dir)
+    ledger = Ledger(layout.ledger)
+    now = time.time()
+    ledger.publish(_record(0), cursor={"progress": {
+        "big.pass": 1, "big.objects_done": 16, "big.objects_total": 32,
+        "small.pass": 0, "small.objects_done": 2, "small.objects_total": None,
+        "node_rank": 0, "num_nodes": 1, "units_skipped": 2}})
+    ledger.set_skipped("s3://b/x.parquet:3", {"path": "s3://b/x.parquet", "index": 3, "pass": 0,
+                                              "error": "corrupt page: CRC mismatch"})
+    ledger.set_daemon_state({"pid": os.getpid(), "state": "fetching", "since": now - 5})
+    ledger.update_daemon_state({
+        "started": now - 3725, "fetched_bytes": 3725 * 2_000_000, "units_unread": 1,
+        "last_error": "remote unreachable: http://127.0.0.1:9/ (connection refused)", "last_error_at": now - 60,
+        "settings": {"cache": {"max_bytes": 20_000_000}, "source": {"storage_options": {"secret": "very-secret"}}},
+        "sources": {"big": {"units_done": 17, "units_total": 32}},
+    })
+    ledger.close()
+    with exclusive(layout.lock):  # this process is the daemon, as far as the lock tells
+        status = cache_status(config)
+    detail = status["daemon_detail"]
+    assert status["daemon"].startswith(f"running pid {os.getpid()}: fetching for 5s, up 1h02m")
+    assert detail["uptime_s"] >= 3725 and detail["in_state_s"] < 60
+    assert abs(detail["fetch_bytes_per_s"] - 2_000_000) < 10_000
+    assert status["max_bytes"] == 20_000_000, "the running daemon's budget, not the file's 10MB"
+    assert status["skipped_units"] == 1 and status["skipped"][0]["reason"] == "corrupt page: CRC mismatch"
+    assert "very-secret" not in json.dumps(status)
+
+    table = format_status(status)
+    at = time.strftime("%H:%M:%S", time.localtime(now - 60))
+    assert f"last error     since {at}: remote unreachable: http://127.0.0.1:9/ (connection refused)" in table
+    assert "MB/s since start" in table
+    assert next(line for line in table.splitlines() if line.startswith("units unread")).split()[2] == "1"
+    assert "cache.max_bytes=20000000" in table and "storage_options" not in table
+    assert detail["settings"]["source"]["storage_options"] == {"secret": "***"}
+    assert "s3://b/x.parquet:3" in table and "corrupt page: CRC mismatch" in table
+    assert "pass 1: 0 units cached; 16 of 32 objects done" in table
+    assert "pass 0: 0 units cached; 2 of ? objects done" in table
+    assert "units done 17, units total 32" in table
+    assert "of 20.0MB" in table
+
+
+def test_status_never_creates_a_cache(make_config: Callable[..., Config]) -> None:
+    import pytest
+
+    from epochcache.errors import CacheError
+
+    config = make_config("remote")
+    with pytest.raises(CacheError, match="does not exist"):
+        cache_status(config)
+    assert not os.path.exists(config.cache.dir)
