@@ -5,8 +5,9 @@ fixed-width column as one numpy array without copying (see :mod:`epochcache.data
 
 Writing is atomic: the bytes go to ``<id>.arrow.tmp`` in the shard folder, are fsynced, checksummed
 (read back from the page cache), renamed to their final name with ``os.replace`` and the folder is
-fsynced, so a crash leaves either no shard or a whole one. The checksum (XXH3-128 of the file: it detects damage, it is not a defence against tampering, and at
-~10 GB/s it costs the daemon and a reader's first open next to nothing) becomes part of the final
+fsynced, so a crash leaves either no shard or a whole one. The checksum (XXH3-128 of the file: it
+detects damage, it is not a defence against tampering, and at ~10 GB/s it costs the daemon and a
+reader's first open next to nothing) becomes part of the final
 name (see :mod:`epochcache.layout`) and is recorded in the ledger; readers compare against it the
 first time they open a shard.
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import threading
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,8 +14,8 @@ from typing import Any
 import fsspec
 import pytest
 import yaml
-
 from conftest import DaemonThread, UnitLog, wait_for, write_parquet_dataset
+
 from epochcache import DaemonRunningError, Ledger, SyncDaemon
 from epochcache.config import Config, load_config
 from epochcache.daemon import StopReason

@@ -11,8 +11,8 @@ from typing import Any
 import pyarrow as pa
 import pytest
 import s3fs
-
 from conftest import DaemonThread, UnitLog, make_table, wait_for, write_parquet_dataset
+
 from epochcache import EpochCachedLoader, Ledger
 from epochcache.config import Config
 from epochcache.daemon import StopReason

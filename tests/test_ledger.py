@@ -285,7 +285,8 @@ def test_make_room_after_release_evicts_retiring_first(ledger: Ledger) -> None:
     publish_all(ledger, [record(0), record(1)])
     lease = ledger.snapshot("trainer", ttl_s=60)
     budget = 2 * S + SLACK
-    assert ledger.make_room(S, budget, lambda cands, need: take_until(sorted(cands, key=lambda r: -r.created), need)) is None
+    newest_first = lambda cands, need: take_until(sorted(cands, key=lambda r: -r.created), need)  # noqa: E731
+    assert ledger.make_room(S, budget, newest_first) is None
     assert retiring_ids(ledger) == ["s1"]  # this chooser picks the newest
     ledger.release(lease.id)
     assert ids(ledger.make_room(S, budget, Fifo())) == ["s1"]

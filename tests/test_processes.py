@@ -19,8 +19,8 @@ from typing import IO, Any
 import fsspec
 import pytest
 import yaml
-
 from conftest import wait_for, write_parquet_dataset
+
 from epochcache.cli import main
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Ledger

@@ -11,7 +11,6 @@ from conftest import write_parquet_dataset
 from pydantic import ValidationError
 
 from epochcache.errors import ConfigError
-
 from epochcache.sampler import Cursor, Sampler, UnitsOf
 from epochcache.seeding import permutation
 from epochcache.sources.base import RemoteObject, Unit

@@ -77,7 +77,9 @@ def test_worker_batches_equal_the_in_process_batches(
     expected = _epochs(synced, 2, num_workers=0, transform=transform)
     messages: list[type] = []
     receive = SlotRing.receive
-    monkeypatch.setattr(SlotRing, "receive", lambda ring, message: messages.append(type(message)) or receive(ring, message))
+    monkeypatch.setattr(
+        SlotRing, "receive", lambda ring, message: messages.append(type(message)) or receive(ring, message)
+    )
     got = _epochs(synced, 2, num_workers=2, transform=transform)
     # the ring and the prefetch depth are sized so that no batch waits for a slot: none takes the pipe
     assert set(messages) == ({SlotBatch} if transform is None else {dict}) and len(messages) == 2 * len(got[0])

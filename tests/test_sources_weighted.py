@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-
 from conftest import DaemonThread, wait_for
+
 from epochcache import ConfigError, Ledger, SourceError, SyncDaemon
 from epochcache.cli import main
 from epochcache.config import Config, load_config
