@@ -46,6 +46,7 @@ from tqdm import tqdm
 from epochcache.config import Config
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Ledger, ShardRecord
+from epochcache.ledger_schema import Connect, connect
 from epochcache.lockfile import exclusive
 from epochcache.mixing import MixCursor
 from epochcache.publisher import Publisher
@@ -56,6 +57,7 @@ from epochcache.sync.assembly import Building, screen
 from epochcache.sync.claims import Claims
 from epochcache.sync.identity import DatasetBinding, resume_position
 from epochcache.sync.intake import Intake, Throttle
+from epochcache.sync.notes import note, until_written
 from epochcache.sync.report import StopReason, SyncReport
 from epochcache.sync.skips import SkipBook
 from epochcache.sync.stream import Stream
@@ -79,15 +81,18 @@ class SyncDaemon:
         progress: bool | None = None,
         on_fetch: Callable[[Unit], None] | None = None,
         on_publish: Callable[[ShardRecord], None] | None = None,
+        connect: Connect = connect,
     ) -> None:
         """``progress``: a bar (None: only on a terminal). ``on_fetch`` / ``on_publish``: hooks
         called with each unit read from the remote (in the daemon's main thread) and each shard
         published (in its writer thread, before the next shard is written: setting the stop event
-        there publishes nothing more). For metrics and audits; they must be quick."""
+        there publishes nothing more). For metrics and audits; they must be quick. ``connect`` opens
+        the ledger's database (tests inject one whose disk fills)."""
         self.config = config
         self.layout = CacheLayout.create(config.cache.dir)
         self.on_fetch, self.on_publish = on_fetch, on_publish
         self._progress = progress
+        self._connect = connect
 
     def run(self, once: bool = False, stop: threading.Event | None = None) -> SyncReport:
         """Sync until ``stop`` is set (or SIGINT/SIGTERM in the main thread).
@@ -95,14 +100,16 @@ class SyncDaemon:
         With ``once``, return instead when the next shard would need an eviction (the budget is full)
         or when every source has completed one pass. Raises :class:`DaemonRunningError` if another
         daemon holds this cache dir, :class:`DatasetMismatchError` if the config would write rows of
-        another schema than the cache holds, :class:`SourceError` on a permanent remote failure.
+        another schema than the cache holds, :class:`SourceError` on a permanent remote failure. A full
+        disk under the ledger is waited out (see :mod:`epochcache.sync.notes`).
         Every thread it started has ended when it returns or raises.
         """
         stop = stop or threading.Event()
         with exclusive(self.layout.lock), _stop_on_signals(stop):
-            ledger = Ledger(self.layout.ledger)
+            ledger = Ledger(self.layout.ledger, self._connect)
             try:
-                reconcile(self.layout, ledger)
+                if until_written(lambda: reconcile(self.layout, ledger), stop, "start") is None:
+                    return SyncReport()  # stopped before it began
                 timeout = self.config.sampler.request_timeout_s
                 largest = int(self.config.sampler.max_sample_bytes)
                 streams = [Stream(cfg, open_source(cfg, timeout, largest)) for cfg in self.config.sources]
@@ -121,11 +128,12 @@ class _Run:
         self.cfg, self.daemon, self.ledger, self.streams = daemon.config, daemon, ledger, streams
         self.stop, self.once = stop, once
         self.report = SyncReport()
-        records = ledger.shards()
-        self.claims = Claims(unit for record in records for unit in record.units)
-        self.binding = DatasetBinding(ledger, self.cfg, records)
+        self.claims = Claims(ledger.cached_units)
+        self.had_shards = ledger.usage().shards > 0
+        self.binding = DatasetBinding(ledger, self.cfg, self.had_shards)
         sampler = self.cfg.sampler
-        self.retrier = Retrier(sampler.max_attempts, sampler.backoff_s, sampler.backoff_max_s, ledger.incr, stop)
+        self.retrier = Retrier(sampler.max_attempts, sampler.backoff_s, sampler.backoff_max_s,
+                               lambda name: note(ledger.incr, name), stop)
         self.vitals = Vitals(ledger)
         self.skips = SkipBook(ledger, self.retrier, self.claims, self.report, self.vitals, stop)
         # disable=None: a bar on a terminal, none when output goes to a file or pipe.
@@ -192,7 +200,7 @@ class _Run:
             return self._stop_reason()
         if not self.writer.settle():
             return self._stop_reason()
-        self.ledger.set_cursor({**building.cursor.to_dict(), "progress": self._progress(building.cursor)})
+        note(self.ledger.set_cursor, {**building.cursor.to_dict(), "progress": self._progress(building.cursor)})
         return StopReason.EXHAUSTED
 
     def _add(self, building: Building, stream: Stream, unit: Unit, table: pa.Table) -> bool:
@@ -204,7 +212,7 @@ class _Run:
         if dropped:
             log.warning("%s: dropped %d rows with a null in a fixed-width column", unit.key, dropped)
             self.report.rows_dropped += dropped
-            self.ledger.incr("rows_dropped", dropped)
+            note(self.ledger.incr, "rows_dropped", dropped)
         if table.num_rows == 0:  # every row dropped: nothing to add (a shard never holds 0 rows)
             return True
         if building.tables and building.nbytes + table.nbytes > self.cfg.cache.shard_bytes:
@@ -228,7 +236,7 @@ class _Run:
         """Bytes at which the shard being built is published: ``cache.shard_bytes``, except that an
         empty cache gets its first shard after one unit, so a trainer started with the daemon waits
         for one remote read, not for a whole shard's worth of them."""
-        busy = self.claims.cached or self.writer.pending or self.report.shards_published
+        busy = self.had_shards or self.writer.pending or self.report.shards_published
         return self.cfg.cache.shard_bytes if busy else 1
 
     def _stop_reason(self) -> StopReason:

@@ -224,6 +224,11 @@ class Ledger:
                         break
         return out
 
+    def schemas(self) -> set[str]:
+        """The distinct schema fingerprints of the published shards (none recorded: not included)."""
+        with self._read() as con:
+            return {fp for (fp,) in con.execute("SELECT DISTINCT schema FROM shards WHERE schema != ''")}
+
     def filenames(self) -> set[str]:
         """The file names of all published shards (for joining against a directory listing)."""
         with self._read() as con:

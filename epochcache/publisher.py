@@ -170,7 +170,10 @@ class Publisher:
         """Record the daemon's state for ``epochcache status`` when it changes."""
         if state != self._state:
             try:
-                self.ledger.set_daemon_state({"pid": os.getpid(), "state": state, "since": time.time(), **detail})
+                # update, not set: the daemon's vitals (started, settings, last_error) share this record
+                self.ledger.update_daemon_state(
+                    {"pid": os.getpid(), "state": state, "since": time.time(), "error": None, **detail}
+                )
             except LedgerFullError:
                 return  # a full disk cannot take the state either; said again once it can
             self._state = state

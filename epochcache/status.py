@@ -18,7 +18,7 @@ from pydantic import ByteSize
 from epochcache.clear import existing_layout
 from epochcache.config import Config
 from epochcache.layout import CacheLayout
-from epochcache.ledger import Ledger, ShardRecord
+from epochcache.ledger import Ledger
 from epochcache.lockfile import holder
 from epochcache.redact import redact
 
@@ -37,7 +37,6 @@ def cache_status(config: Config) -> dict[str, Any]:
     try:
         usage = ledger.usage()
         now = time.time()
-        shards = ledger.shards()
         cursor = ledger.cursor()
         skipped = ledger.skipped()
         daemon = daemon_status(layout, ledger.daemon_state(), now)
@@ -59,12 +58,12 @@ def cache_status(config: Config) -> dict[str, Any]:
             "max_uses": config.cache.max_uses,
             "shard_list": [
                 {"id": r.id, "rows": r.rows, "bytes": r.nbytes, "age_s": round(now - r.created, 1), "uses": r.uses}
-                for r in reversed(shards[-SHARD_ROWS:])
+                for r in ledger.newest(SHARD_ROWS)
             ],
             "leases": [
-                {"owner": lease["owner"], "shards": len(lease["shards"]),
+                {"owner": lease["owner"], "shards": lease["shards"],
                  "age_s": round(now - lease.get("taken", now), 1), "expires_in_s": round(lease["expires"] - now, 1)}
-                for lease in ledger.leases()
+                for lease in ledger.leases(with_shards=False)
             ],
             "evictions": _evictions(ledger.counters()),
             "quarantined": [
@@ -78,7 +77,6 @@ def cache_status(config: Config) -> dict[str, Any]:
             ],
             "counters": ledger.counters(),
             "progress": (cursor or {}).get("progress"),
-            "units_cached": _units_cached(config, shards),
             "cursor": cursor,
         }
     finally:
@@ -114,7 +112,7 @@ def format_status(status: dict[str, Any]) -> str:
                                                            if status["skipped_units"] else "")),
         *((f"  {u['unit']}", f"{u['reason']}") for u in status["skipped"]),
         ("progress", _progress(status["progress"], status["cursor"])),
-        *_source_rows(status["progress"], status["units_cached"]),
+        *_source_rows(status["progress"]),
         *_recorded_source_rows(status["daemon_detail"]),
     ]
     # Sub-rows (skipped unit keys, lease owners) may be long: they overflow, the table keeps its width.
@@ -238,9 +236,9 @@ def _progress(progress: dict[str, int | None] | None, cursor: dict[str, Any] | N
     return f"{cursor}" if cursor else "not started"
 
 
-def _source_rows(progress: dict[str, int | None] | None, units_cached: dict[str, int]) -> list[tuple[str, str]]:
-    """One row per source: ``pass 2: 17 units cached; 16 of 32 objects done`` (``?`` while the
-    listing is not complete)."""
+def _source_rows(progress: dict[str, int | None] | None) -> list[tuple[str, str]]:
+    """One row per source: ``pass 2: 16 of 32 objects done`` (``?`` while the listing is not complete).
+    Units are not counted per source: that would read every shard's record, and status reads none."""
     rows = []
     progress = progress or {}
     for prefix in sorted({key[: -len("pass")] for key in progress if key.endswith("pass")}):
@@ -248,19 +246,6 @@ def _source_rows(progress: dict[str, int | None] | None, units_cached: dict[str,
         total = progress.get(f"{prefix}objects_total")
         done = progress.get(f"{prefix}objects_done")
         rows.append((f"  {name or 'source'}",
-                     f"pass {progress.get(f'{prefix}pass')}: {units_cached.get(name, 0)} units cached; "
-                     f"{done} of {'?' if total is None else total} objects done"))
+                     f"pass {progress.get(f'{prefix}pass')}: {done} of {'?' if total is None else total} objects done"))
     return rows
 
-
-def _units_cached(config: Config, shards: list[ShardRecord]) -> dict[str, int]:
-    """Units held by the cached shards, per source name (a unit key starts with its object's path,
-    which starts with its source's URL, less the protocol)."""
-    prefixes = {source.name: source.url.split("://", 1)[-1].rstrip("/") for source in config.sources}
-    counts = dict.fromkeys(prefixes, 0)
-    for record in shards:
-        for unit in record.units:
-            name = next((n for n, prefix in prefixes.items() if unit.split("://", 1)[-1].startswith(prefix)), None)
-            if name is not None:
-                counts[name] += 1
-    return counts

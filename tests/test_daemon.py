@@ -16,7 +16,7 @@ import pytest
 import yaml
 from conftest import DaemonThread, UnitLog, wait_for, write_parquet_dataset
 
-from epochcache import DaemonRunningError, Ledger, SyncDaemon
+from epochcache import DaemonRunningError, Ledger, ShardRecord, SyncDaemon
 from epochcache.config import Config, load_config
 from epochcache.daemon import StopReason
 from epochcache.layout import TMP_SUFFIX, CacheLayout
@@ -97,6 +97,14 @@ def test_continuous_sync_rotates_within_the_budget(remote: str, make_config: Cal
     _assert_disk_matches_ledger(config)
 
 
+def _probe(ledger: Ledger) -> list[ShardRecord]:
+    """The shards a new epoch would get now. The probe's lease is released at once: a lease whose owner
+    (this process) is alive never expires, and would itself hold every shard."""
+    lease = ledger.snapshot("probe", ttl_s=1)
+    ledger.release(lease.id)
+    return list(lease.shards)
+
+
 def test_leased_shards_are_never_evicted(remote: str, make_config: Callable[..., Config]) -> None:
     config = make_config(remote, **SMALL)
     SyncDaemon(config, progress=False).run(once=True)
@@ -105,7 +113,7 @@ def test_leased_shards_are_never_evicted(remote: str, make_config: Callable[...,
     leased_paths = [CacheLayout(Path(config.cache.dir)).shards / r.filename for r in lease.shards]
     runner = DaemonThread(SyncDaemon(config, progress=False))
     # the daemon needs room, finds only leased shards, marks the oldest retiring and waits
-    wait_for(lambda: len(ledger.snapshot("probe", 1).shards) < len(lease.shards) or runner.error)
+    wait_for(lambda: len(_probe(ledger)) < len(lease.shards) or runner.error)
     assert all(p.exists() for p in leased_paths) and ledger.counters().get("evicted", 0) == 0
     ledger.release(lease.id)
     wait_for(lambda: ledger.counters().get("evicted", 0) > 0 or runner.error)

@@ -125,23 +125,41 @@ def test_an_object_deleted_mid_pass_is_skipped_and_the_pass_completes(
     assert again.reason is StopReason.EXHAUSTED
 
 
-def test_a_permanent_error_stops_with_one_line_naming_the_url(
-    s3: Any, bucket: str, s3_endpoint: str, tmp_path: Path
-) -> None:
-    s3.pipe(f"{bucket}/bad/broken.parquet", b"PAR1" + b"x" * 100 + (50).to_bytes(4, "little") + b"PAR1")
+def _sync_once(config_path: Path) -> tuple[int, str]:
+    result = subprocess.run([sys.executable, "-m", "epochcache", "sync", "--config", str(config_path), "--once"],
+                            capture_output=True, text=True, timeout=120)
+    return result.returncode, result.stdout + result.stderr
+
+
+def _s3_config(tmp_path: Path, url: str, s3_endpoint: str) -> Path:
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump({
-        "source": {"url": f"s3://{bucket}/bad", "storage_options": {
+        "source": {"url": url, "storage_options": {
             "key": "AKIAEXAMPLEKEYID0002", "secret": "very-secret-value-0002",
             "client_kwargs": {"endpoint_url": s3_endpoint}}},
         "cache": {"dir": str(tmp_path / "cache")},
     }))
-    result = subprocess.run([sys.executable, "-m", "epochcache", "sync", "--config", str(config_path), "--once"],
-                            capture_output=True, text=True, timeout=120)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
+    return config_path
+
+
+def test_a_permanent_error_stops_with_one_line_naming_the_url(s3_endpoint: str, tmp_path: Path) -> None:
+    url = "s3://no-such-bucket-epochcache/data"
+    code, output = _sync_once(_s3_config(tmp_path, url, s3_endpoint))
+    assert code == 2, output
     errors = [line for line in output.splitlines() if "error" in line]
-    assert len(errors) == 1 and "broken.parquet" in errors[0], output
+    assert len(errors) == 1 and "no-such-bucket-epochcache" in errors[0], output
+    assert "Traceback" not in output
+    assert "very-secret-value-0002" not in output and "AKIAEXAMPLEKEYID0002" not in output
+
+
+def test_a_corrupt_object_is_skipped_with_lines_naming_it(
+    s3: Any, bucket: str, s3_endpoint: str, tmp_path: Path
+) -> None:
+    s3.pipe(f"{bucket}/bad/broken.parquet", b"PAR1" + b"x" * 100 + (50).to_bytes(4, "little") + b"PAR1")
+    code, output = _sync_once(_s3_config(tmp_path, f"s3://{bucket}/bad", s3_endpoint))
+    assert code == 3, output  # the pass completed; a unit was skipped and not read again
+    skips = [line for line in output.splitlines() if "CorruptObjectError" in line]
+    assert skips and all("broken.parquet" in line for line in skips), output
     assert "Traceback" not in output
     assert "very-secret-value-0002" not in output and "AKIAEXAMPLEKEYID0002" not in output
 

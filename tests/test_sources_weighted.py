@@ -137,7 +137,9 @@ def test_each_source_keeps_its_own_pass_and_status_shows_both(tmp_path: Path, ca
                                            "cache": {"dir": config.cache.dir, **ROOMY}}))
     assert main(["status", "--config", str(config_path)]) == 0
     shown = capsys.readouterr().out
-    assert f"tiny.pass {tiny_pass}" in shown and "big.pass 0" in shown and "big.objects_total 16" in shown, shown
+    rows = {line.split()[0]: line.split()[1:] for line in shown.splitlines() if line.startswith("  ")}
+    assert rows["tiny"][:2] == ["pass", f"{tiny_pass}:"], shown
+    assert rows["big"][:2] == ["pass", "0:"] and " ".join(rows["big"]).endswith("of 16 objects done"), shown
 
 
 def _walked_to(config: Config, index: int, saved: dict[str, int]) -> set[str]:
@@ -205,7 +207,7 @@ def test_source_is_shorthand_for_one_unnamed_source_of_weight_one(tmp_path: Path
     assert [(s.url, s.name, s.weight) for s in config.sources] == [("s3://b/a", "", 1.0)]
     with pytest.raises(ConfigError, match="source.weight applies only to entries of a sources: list"):
         load_config(None, {"source.url": "s3://b/a", "source.weight": 2, "cache.dir": str(tmp_path)})
-    with pytest.raises(ConfigError, match=r"^defaults: source\.format = 'zip': "):
+    with pytest.raises(ConfigError, match=r"^override source\.format: source\.format = 'zip': "):
         load_config(None, {"source.url": "s3://b/a", "source.format": "zip", "cache.dir": str(tmp_path)})
     with pytest.raises(ConfigError, match="either source: .* or sources: .*not both"):
         load_config(None, {"source.url": "s3://b/a", "sources": [{"url": "s3://b/c", "weight": 1}],
@@ -221,7 +223,7 @@ def test_config_yaml_documents_sources_with_an_example_that_loads(tmp_path: Path
     example = [line[2:] for line in lines[start:] if line.startswith(("# sources:", "#   - "))]
     data = yaml.safe_load("\n".join(example))
     config = load_config(None, {**data, "cache.dir": str(tmp_path)}, env={})
-    assert [(s.name, s.weight) for s in config.sources] == [("images", 3.0), ("text", 1.0)]
+    assert [(s.name, s.weight) for s in config.sources] == [("photos", 3.0), ("renders", 1.0)]
     assert "weight:" in text and "name:" in text
 
 

@@ -90,8 +90,8 @@ def test_status_shows_the_running_daemons_uptime_error_settings_rate_skips_and_s
     assert "cache.max_bytes=20000000" in table and "storage_options" not in table
     assert detail["settings"]["source"]["storage_options"] == {"secret": "***"}
     assert "s3://b/x.parquet:3" in table and "corrupt page: CRC mismatch" in table
-    assert "pass 1: 0 units cached; 16 of 32 objects done" in table
-    assert "pass 0: 0 units cached; 2 of ? objects done" in table
+    assert "pass 1: 16 of 32 objects done" in table
+    assert "pass 0: 2 of ? objects done" in table
     assert "units done 17, units total 32" in table
     assert "of 20.0MB" in table
 

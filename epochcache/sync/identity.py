@@ -17,10 +17,11 @@ import pyarrow as pa
 
 from epochcache.config import Config
 from epochcache.errors import DatasetMismatchError, SourceError
-from epochcache.ledger import Ledger, ShardRecord
+from epochcache.ledger import Ledger
 from epochcache.mixing import MixCursor
 from epochcache.sampler import Cursor
 from epochcache.shards import schema_fingerprint
+from epochcache.sync.notes import note
 from epochcache.sync.stream import Stream
 
 log = logging.getLogger(__name__)
@@ -67,20 +68,20 @@ class DatasetBinding:
     the shards hold. A cache with no shard takes any dataset (there is nothing to mix with).
     """
 
-    def __init__(self, ledger: Ledger, config: Config, records: Sequence[ShardRecord]) -> None:
-        """``records``: the shards the cache holds; a cache written before it recorded its dataset is
-        checked against their schema fingerprints."""
+    def __init__(self, ledger: Ledger, config: Config, has_shards: bool) -> None:
+        """``has_shards``: whether the cache holds shards; a cache written before it recorded its
+        dataset is checked against its shards' schema fingerprints."""
         self.ledger, self.config = ledger, config
         self._sources = [{"name": s.name, "url": s.url, "format": s.format, "columns": s.columns,
                           "labels": s.labels} for s in config.sources]
-        bound = ledger.identity() if records else None
-        self._fingerprints = {record.schema for record in records if record.schema}
+        bound = ledger.identity() if has_shards else None
+        self._fingerprints = ledger.schemas() if has_shards and not bound else set()
         self._schema: str | None = bound.get("schema") if bound else None
         self._first: str = bound.get("schema_from", "") if bound else ""
         self._run: tuple[str, str] | None = None  # (source, columns) of this run's first rows
         if bound:
             self._refuse_changed_selection(bound.get("sources", []))
-        ledger.set_identity({"sources": self._sources, "schema": self._schema, "schema_from": self._first})
+        note(ledger.set_identity, {"sources": self._sources, "schema": self._schema, "schema_from": self._first})
 
     def check(self, source: str, key: str, schema: pa.Schema) -> None:
         """Take in the schema of rows read (of ``key``, from ``source``). Raises
@@ -102,7 +103,7 @@ class DatasetBinding:
             )
         if self._schema is None:
             self._schema, self._first = text, key
-            self.ledger.set_identity({"sources": self._sources, "schema": text, "schema_from": key})
+            note(self.ledger.set_identity, {"sources": self._sources, "schema": text, "schema_from": key})
         elif text != self._schema:
             raise DatasetMismatchError(
                 f"{key} (source {source!r}) has columns {text} but the rows cached in {self.config.cache.dir} "

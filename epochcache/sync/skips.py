@@ -20,6 +20,7 @@ from epochcache.ledger import Ledger
 from epochcache.retry import Retrier, describe
 from epochcache.sources import RemoteObject, Unit
 from epochcache.sync.claims import Claims
+from epochcache.sync.notes import note
 from epochcache.sync.report import SyncReport
 from epochcache.sync.stream import Stream
 from epochcache.sync.vitals import Vitals
@@ -57,9 +58,9 @@ class SkipBook:
         log.warning("skipping %s for now: %s", key, describe(exc))
         self.report.units_skipped += 1
         self._unread.add(key)
-        self.ledger.incr("units_skipped")
+        note(self.ledger.incr, "units_skipped")
         self.vitals.failed(_what(exc), f"{key}: {describe(exc)}")
-        self.ledger.set_skipped(key, {"path": obj.path, "size": obj.size, "index": index, "pass": pass_,
+        note(self.ledger.set_skipped, key, {"path": obj.path, "size": obj.size, "index": index, "pass": pass_,
                                       "stream": stream.name, "error": describe(exc)})
 
     def retry(self, stream: Stream, pass_: int, read: Read) -> Iterator[tuple[Unit, pa.Table]]:
@@ -81,14 +82,14 @@ class SkipBook:
                         yield unit, table
             except ObjectMissingError as exc:
                 log.warning("dropping %s: %s", key, describe(exc))
-                self.ledger.incr("objects_missing")
+                note(self.ledger.incr, "objects_missing")
             except (FetchFailedError, CorruptObjectError) as exc:
                 log.warning("%s failed again at the end of pass %d: %s", key, pass_, describe(exc))
                 self._unread.add(key)
-                self.ledger.set_skipped(key, {**info, "final": True, "error": describe(exc)})
+                note(self.ledger.set_skipped, key, {**info, "final": True, "error": describe(exc)})
                 continue
             self._unread.discard(key)
-            self.ledger.drop_skipped(key)
+            note(self.ledger.drop_skipped, key)
 
 
 def _what(exc: Exception) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 from epochcache.config import Config
 from epochcache.ledger import Ledger
+from epochcache.sync.notes import note
 
 
 def settings_of(config: Config, once: bool) -> dict[str, Any]:
@@ -49,7 +50,7 @@ class Vitals:
         self._fields = {"pid": os.getpid(), "started": now, "settings": settings, "fetched_bytes": 0,
                         "fetch_bytes_per_s": 0.0, "last_error": None, "last_error_at": None}
         # The publisher's running/backpressure line starts as "starting" (status reads state/since).
-        self.ledger.update_daemon_state({**self._fields, "state": "starting", "since": now})
+        note(self.ledger.update_daemon_state, {**self._fields, "state": "starting", "since": now})
 
     def fetched(self, nbytes: int) -> None:
         """A read worked: count its bytes; a standing error is over."""
@@ -82,4 +83,4 @@ class Vitals:
             self._fields["fetch_bytes_per_s"] = round((self.fetched_bytes - before) / (now - then), 1)
             self._mark = (now, self.fetched_bytes)
         self._fields["fetched_bytes"] = self.fetched_bytes
-        self.ledger.update_daemon_state(self._fields)
+        note(self.ledger.update_daemon_state, self._fields)

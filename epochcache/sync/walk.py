@@ -25,6 +25,7 @@ from epochcache.sampler import Cursor, Sampler
 from epochcache.sources import RemoteObject, Unit
 from epochcache.sync.claims import Claims
 from epochcache.sync.identity import stream_order
+from epochcache.sync.notes import until_written
 from epochcache.sync.skips import SKIPPABLE, SkipBook
 from epochcache.sync.stream import Stream
 from epochcache.sync.vitals import Vitals
@@ -141,7 +142,8 @@ class Walk:
                 return stored
         while not self.stop.is_set():
             try:
-                return self.retrier.call(self._list, stream, pass_, what=f"listing of {stream.source.url}")
+                what = f"listing of {stream.source.url}"
+                return until_written(lambda: self.retrier.call(self._list, stream, pass_, what=what), self.stop, what)
             except FetchFailedError as exc:
                 self.vitals.failed("remote unreachable", describe(exc))
                 if self.once:

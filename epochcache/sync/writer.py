@@ -77,7 +77,7 @@ class ShardWriter:
             self.pending.clear()
             return False
         record = published.record
-        self.claims.published(record.units, [unit for victim in published.evicted for unit in victim.units])
+        self.claims.published(record.units)
         report = self.report
         report.evicted += len(published.evicted)
         report.shards_published += 1
