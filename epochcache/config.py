@@ -66,7 +66,9 @@ class SourceConfig(_Section):
         "tars; objects: one sample per object",
     )
     labels: str | None = Field(
-        default=None, description="format objects: 'folder', or a CSV/JSONL/Parquet table of key -> columns"
+        default=None,
+        description="format objects: 'folder' (int32 label = index of the object's top folder among the sorted "
+        "folders under url, plus label_name), or a CSV/JSONL/Parquet table of key -> columns",
     )
     columns: list[str] | None = Field(default=None, min_length=1, description="columns to fetch; null = all")
     storage_options: dict[str, Any] = Field(
@@ -160,10 +162,17 @@ class SamplerConfig(_Section):
     num_nodes: int | None = Field(
         default=None, ge=1, description="nodes splitting the order; null = WORLD_SIZE/LOCAL_WORLD_SIZE or 1"
     )
-    max_attempts: int = Field(default=6, ge=1, le=100, description="attempts per remote read")
+    max_attempts: int = Field(
+        default=6, ge=1, le=100,
+        description="attempts per remote read; a unit still failing (or corrupt) is skipped, read again at pass end",
+    )
     backoff_s: float = Field(default=0.2, gt=0.0, description="first backoff ceiling; doubles per retry")
     backoff_max_s: float = Field(default=20.0, gt=0.0, description="largest backoff ceiling")
-    request_timeout_s: float = Field(default=60.0, gt=0.0, description="connect/read timeout of one request")
+    # 10 s: a read timeout bounds a silence between two packets, not a whole download, so a slow link
+    # never hits it, while an endpoint that never answers costs 10 s per attempt, not a minute.
+    request_timeout_s: float = Field(
+        default=10.0, gt=0.0, description="connect timeout and longest silence within one request (S3)"
+    )
     max_sample_bytes: ByteSize = Field(
         default=ByteSize(256 * 2**20), gt=0,
         description="largest sample (a tar member, an object) read; a larger one is skipped with its reason",
@@ -212,6 +221,9 @@ class LoaderConfig(_Section):
     prepare_next_at: float = Field(default=0.8, gt=0.0, le=1.0)
     lease_ttl_s: float = Field(default=60.0, gt=0.0)
     wait_timeout_s: float = Field(default=600.0, gt=0.0)
+    # Open memory maps kept per loader: vm.max_map_count (65,530 by default) bounds them per process,
+    # and an epoch may span far more shards; past this many, the least recently used is unmapped.
+    max_open_shards: int = Field(default=1024, ge=1)
 
 
 class Config(_Section):

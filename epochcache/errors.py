@@ -4,8 +4,9 @@
 
     EpochcacheError                 every error of ours; the CLI prints it as one line, exit code 2
     ├── ConfigError                 config.yaml, environment or flags hold a bad key or value
-    ├── SourceError                 the remote cannot be listed or read (permanent: no retry helps)
-    │   └── ObjectMissingError      a listed object is gone (deleted mid-pass): skipped, not fatal
+    ├── SourceError                 the remote cannot be listed or read (permanent: no credentials,
+    │   │                           access denied, no such bucket; no retry helps)
+    │   └── ObjectMissingError      a listed object is gone, or changed since it was listed: skipped
     ├── FetchFailedError            a remote read kept failing with transient errors (retried later)
     ├── CorruptObjectError          a remote object's bytes are bad (damaged metadata or payload, a
     │                               checksum mismatch, a member too large): the unit is skipped, reported

@@ -52,7 +52,7 @@ from epochcache.distributed import Peers
 from epochcache.errors import CacheEmptyError, ConfigError, LoaderError, ShardCorruptError
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Lease, Ledger, ShardRecord
-from epochcache.mappings import DEFAULT_MAX_OPEN_SHARDS, ShardMaps
+from epochcache.mappings import ShardMaps
 from epochcache.order import EpochBatches, batch_count, epoch_order, rank_part
 from epochcache.prefetch import BatchThread
 from epochcache.quarantine import QuarantineUnreadable, quarantine_shard
@@ -184,7 +184,7 @@ class EpochCachedLoader:
         # one checksumming thread per host (local rank 0), started on each epoch's first batch
         self._verifier = BackgroundVerifier(self._layout, self._ledger) if self._peers.local_rank == 0 else None
         # shard mappings the batch thread reuses from epoch to epoch, at most max_open_shards of them
-        self._maps: ShardMaps[Any] = ShardMaps(getattr(self.config, "max_open_shards", DEFAULT_MAX_OPEN_SHARDS))
+        self._maps: ShardMaps[Any] = ShardMaps(self.config.max_open_shards)
         self._held: set[str] = set()
         self._held_lock = threading.Lock()
         self._closed = threading.Event()

@@ -31,6 +31,7 @@ cannot be verified: the store offers no checksum of a byte range.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -120,11 +121,11 @@ class RemoteFiles:
         """
         found = False
         try:
-            if self.fs.isfile(self.root):
-                info = self.fs.info(self.root)
-                pages: Iterator[list[RemoteObject]] = iter([[RemoteObject(self.root, int(info["size"]), _etag(info))]])
-            elif self._s3:
-                pages = self._s3_pages(page_size)
+            pages: Iterator[list[RemoteObject]]
+            if self._s3:
+                pages = self._s3_objects(page_size)
+            elif self.fs.isfile(self.root):
+                pages = iter([[self._one(self.fs.info(self.root))]])
             else:
                 pages = self._find_pages(page_size)
             for page in pages:
@@ -150,6 +151,23 @@ class RemoteFiles:
                           if info.get("type", "file") == "file"), key=lambda o: o.path)
         for start in range(0, len(objects), page_size):
             yield objects[start : start + page_size]
+
+    def _one(self, info: dict[str, Any]) -> RemoteObject:
+        return RemoteObject(self.root, int(info["size"]), _etag(info))
+
+    def _s3_objects(self, page_size: int) -> Iterator[list[RemoteObject]]:
+        """The prefix's pages; a URL naming one object (nothing under it as a prefix) is that object.
+        Listed first: one request where a HEAD and a listing were two, and an error of the listing (a
+        timeout) is raised, where ``isfile`` takes any error for "not a file"."""
+        listed = False
+        for page in self._s3_pages(page_size):
+            listed = listed or bool(page)
+            yield page
+        if not listed:
+            with contextlib.suppress(FileNotFoundError):
+                info = self.fs.info(self.root)
+                if info.get("type") == "file":
+                    yield [self._one(info)]
 
     def _s3_pages(self, page_size: int) -> Iterator[list[RemoteObject]]:
         """s3fs's paginated ListObjectsV2 (its ``_iterdir``), ``page_size`` objects at a time."""
