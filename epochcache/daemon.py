@@ -129,7 +129,8 @@ class _Run:
         self.stop, self.once = stop, once
         self.report = SyncReport()
         self.claims = Claims(ledger.cached_units)
-        self.had_shards = ledger.usage().shards > 0
+        usage = ledger.usage()
+        self.had_shards = usage.shards > 0
         self.binding = DatasetBinding(ledger, self.cfg, self.had_shards)
         sampler = self.cfg.sampler
         self.retrier = Retrier(sampler.max_attempts, sampler.backoff_s, sampler.backoff_max_s,
@@ -138,7 +139,9 @@ class _Run:
         self.skips = SkipBook(ledger, self.retrier, self.claims, self.report, self.vitals, stop)
         # disable=None: a bar on a terminal, none when output goes to a file or pipe.
         show = daemon._progress
-        self.bar = tqdm(desc="sync", unit="B", unit_scale=True, unit_divisor=1024,
+        # With once, the bar runs to the budget's free room: where the run ends, if the remote is larger.
+        room = max(0, int(self.cfg.cache.max_bytes) - usage.total) if once else None
+        self.bar = tqdm(desc="sync", total=room, unit="B", unit_scale=True, unit_divisor=1024,
                         disable=None if show is None else not show)
         self.intake = Intake(self.report, self.bar, Throttle(sampler.max_bytes_per_s, stop), daemon.on_fetch,
                              self.vitals)
