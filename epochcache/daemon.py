@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from types import FrameType
+from typing import Any
 
 import pyarrow as pa
 from tqdm import tqdm
@@ -52,6 +53,7 @@ from epochcache.mixing import MixCursor
 from epochcache.publisher import Publisher
 from epochcache.repair import reconcile
 from epochcache.retry import Retrier
+from epochcache.sampler import Cursor
 from epochcache.sources import Unit, open_source
 from epochcache.sync.assembly import Building, screen
 from epochcache.sync.claims import Claims
@@ -118,6 +120,18 @@ class SyncDaemon:
                 ledger.close()
 
 
+def _units_done(saved: dict[str, Any] | None, position: MixCursor) -> dict[str, int]:
+    """Each stream's units put in shards this pass, as the last published cursor counted them (0 for
+    a stream that resumes in another pass, or afresh)."""
+    progress = (saved or {}).get("progress") or {}
+    out = {}
+    for name, cursor in position.cursors.items():
+        prefix = f"{name}." if name else ""
+        same_pass = progress.get(f"{prefix}pass") == cursor.pass_ and cursor != Cursor()
+        out[name] = int(progress.get(f"{prefix}units_done") or 0) if same_pass else 0
+    return out
+
+
 class _Run:
     """One ``SyncDaemon.run``: wires the parts (walk -> fetch window -> assembly -> writer) and
     consumes the walk into shards; see the module docstring for the invariants."""
@@ -146,10 +160,12 @@ class _Run:
         self.intake = Intake(self.report, self.bar, Throttle(sampler.max_bytes_per_s, stop), daemon.on_fetch,
                              self.vitals)
         self.writer: ShardWriter  # set by execute(), with its thread
+        self.units_done: dict[str, int] = {}  # set by execute(), from where it resumes
 
     def execute(self) -> SyncReport:
         self.vitals.start(settings_of(self.cfg, self.once))
         position = resume_position(self.cfg, self.ledger, self.streams)
+        self.units_done = _units_done(self.ledger.cursor(), position)
         publisher = Publisher(self.daemon.layout, self.ledger, self.cfg.cache, self.stop, evict=not self.once)
         with _joined(ThreadPoolExecutor(self.cfg.sampler.concurrency, thread_name_prefix="fetch")) as pool, \
                 _joined(ThreadPoolExecutor(1, thread_name_prefix="publish")) as writer:
@@ -189,6 +205,7 @@ class _Run:
                 for retried, rows in self.skips.retry(stream, before.pass_, self._read):
                     if not self._add(building, stream, retried, rows):
                         return self._stop_reason()
+                self.units_done[stream.name] = 0
             elif table is not None and not self._add(building, stream, unit, table):
                 return self._stop_reason()
             building.cursor = after
@@ -223,6 +240,7 @@ class _Run:
                 return False
             building.reset(building.cursor)
         building.add(unit, table)
+        self.units_done[stream.name] += 1
         return True
 
     def _read(self, stream: Stream, unit: Unit) -> pa.Table:
@@ -247,8 +265,9 @@ class _Run:
 
     def _progress(self, position: MixCursor) -> dict[str, int | None]:
         """What ``epochcache status`` shows as sampler progress (this node's share of each stream's
-        pass): ``pass``, ``objects_done``, ``objects_total``, prefixed by ``<source name>.`` when the
-        config names several sources."""
+        pass): ``pass``, ``units_done`` (units put in shards this pass), ``objects_done`` (objects
+        whose every unit is behind the cursor: with ``mix_units`` interleaving, few until the end),
+        ``objects_total``, prefixed by ``<source name>.`` when the config names several sources."""
         rank, nodes = self.cfg.sampler.partition()
         progress: dict[str, int | None] = {}
         for stream in self.streams:
@@ -256,6 +275,7 @@ class _Run:
             total = stream.totals.get(cursor.pass_)
             done = cursor.group * self.cfg.sampler.mix_units
             progress |= {f"{prefix}pass": cursor.pass_,
+                         f"{prefix}units_done": self.units_done[stream.name],
                          f"{prefix}objects_done": done if total is None else min(done, total),
                          f"{prefix}objects_total": total}
         return {**progress, "node_rank": rank, "num_nodes": nodes,

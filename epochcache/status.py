@@ -72,7 +72,8 @@ def cache_status(config: Config) -> dict[str, Any]:
             ],
             "skipped_units": len(skipped),
             "skipped": [
-                {"unit": key, "path": info.get("path"), "index": info.get("index"), "reason": info.get("error")}
+                {"unit": key, "path": info.get("path"), "index": info.get("index"), "reason": info.get("error"),
+                 "final": bool(info.get("final"))}
                 for key, info in sorted(skipped.items())[:SKIPPED_ROWS]
             ],
             "counters": ledger.counters(),
@@ -110,10 +111,10 @@ def format_status(status: dict[str, Any]) -> str:
           for q in status["quarantined"]),
         ("skipped units", f"{status['skipped_units']}" + (" (retried at the end of each pass)"
                                                            if status["skipped_units"] else "")),
-        *((f"  {u['unit']}", f"{u['reason']}") for u in status["skipped"]),
+        *((f"  {u['unit']}", ("failed again at the pass end: " if u["final"] else "") + f"{u['reason']}")
+          for u in status["skipped"]),
         ("progress", _progress(status["progress"], status["cursor"])),
         *_source_rows(status["progress"]),
-        *_recorded_source_rows(status["daemon_detail"]),
     ]
     # Sub-rows (skipped unit keys, lease owners) may be long: they overflow, the table keeps its width.
     width = max(len(key) for key, _ in rows if not key.startswith("  "))
@@ -132,8 +133,8 @@ def human_bytes(n: int) -> str:
 
 def daemon_status(layout: CacheLayout, state: dict[str, Any] | None, now: float) -> dict[str, Any]:
     """The daemon as JSON: ``running``, ``pid``, ``state``, ``in_state_s``, ``uptime_s``,
-    ``last_error`` / ``last_error_at``, ``fetch_bytes_per_s``, ``units_unread``, ``settings`` (masked),
-    ``sources`` (its per-source progress) and a one-line ``summary``. Every recorded key is read
+    ``last_error`` / ``last_error_at``, ``fetch_bytes_per_s``, ``units_unread``, ``settings`` (masked)
+    and a one-line ``summary``. Every recorded key is read
     with ``.get``: a daemon of another version may record fewer."""
     pid = holder(layout.lock)
     state = state or {}
@@ -153,7 +154,6 @@ def daemon_status(layout: CacheLayout, state: dict[str, Any] | None, now: float)
         "fetch_bytes_per_s": round(fetched / uptime) if uptime and isinstance(fetched, (int, float)) else None,
         "units_unread": state.get("units_unread"),
         "settings": redact(state.get("settings") or {}),
-        "sources": state.get("sources") or state.get("progress") or {},
     }
     out["summary"] = _summary(out, state)
     return out
@@ -187,12 +187,6 @@ def _daemon_rows(daemon: dict[str, Any]) -> list[tuple[str, str]]:
     if shown:
         rows.append(("settings", ", ".join(f"{k}={v}" for k, v in shown.items())))
     return rows
-
-
-def _recorded_source_rows(daemon: dict[str, Any]) -> list[tuple[str, str]]:
-    """The daemon's own per-source progress, ``name: key value, ...``, as it recorded it."""
-    return [(f"  {name or 'source'}", ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in progress.items()))
-            for name, progress in sorted(daemon["sources"].items()) if isinstance(progress, dict)]
 
 
 def _setting(daemon: dict[str, Any], dotted: str, default: Any) -> Any:
@@ -237,8 +231,9 @@ def _progress(progress: dict[str, int | None] | None, cursor: dict[str, Any] | N
 
 
 def _source_rows(progress: dict[str, int | None] | None) -> list[tuple[str, str]]:
-    """One row per source: ``pass 2: 16 of 32 objects done`` (``?`` while the listing is not complete).
-    Units are not counted per source: that would read every shard's record, and status reads none."""
+    """One row per source: ``pass 2: 17 units cached this pass, 16 of 32 objects finished`` (``?``
+    while the listing is not complete; objects are interleaved ``sampler.mix_units`` at a time, so
+    few finish before the end of their group)."""
     rows = []
     progress = progress or {}
     for prefix in sorted({key[: -len("pass")] for key in progress if key.endswith("pass")}):
@@ -246,6 +241,7 @@ def _source_rows(progress: dict[str, int | None] | None) -> list[tuple[str, str]
         total = progress.get(f"{prefix}objects_total")
         done = progress.get(f"{prefix}objects_done")
         rows.append((f"  {name or 'source'}",
-                     f"pass {progress.get(f'{prefix}pass')}: {done} of {'?' if total is None else total} objects done"))
+                     f"pass {progress.get(f'{prefix}pass')}: {progress.get(f'{prefix}units_done', '?')} units cached "
+                     f"this pass, {done} of {'?' if total is None else total} objects finished"))
     return rows
 

@@ -38,7 +38,7 @@ def test_sync_once_then_status_json(tmp_path: Path, capsys) -> None:
     assert 0 < status["bytes"] <= status["max_bytes"] == 5_000_000
     assert main(["status", "--config", str(config)]) == 0
     table = capsys.readouterr().out
-    assert "samples" in table and "pass 1: 0 of ? objects done" in table, table  # pass 0 done
+    assert "samples" in table and "pass 1: 0 units cached this pass, 0 of ? objects finished" in table, table
 
 
 def test_set_override_is_validated(tmp_path: Path, capsys) -> None:

@@ -59,8 +59,8 @@ def test_status_shows_the_running_daemons_uptime_error_settings_rate_skips_and_s
     ledger = Ledger(layout.ledger)
     now = time.time()
     ledger.publish(_record(0), cursor={"progress": {
-        "big.pass": 1, "big.objects_done": 16, "big.objects_total": 32,
-        "small.pass": 0, "small.objects_done": 2, "small.objects_total": None,
+        "big.pass": 1, "big.units_done": 17, "big.objects_done": 16, "big.objects_total": 32,
+        "small.pass": 0, "small.units_done": 3, "small.objects_done": 2, "small.objects_total": None,
         "node_rank": 0, "num_nodes": 1, "units_skipped": 2}})
     ledger.set_skipped("s3://b/x.parquet:3", {"path": "s3://b/x.parquet", "index": 3, "pass": 0,
                                               "error": "corrupt page: CRC mismatch"})
@@ -69,7 +69,6 @@ def test_status_shows_the_running_daemons_uptime_error_settings_rate_skips_and_s
         "started": now - 3725, "fetched_bytes": 3725 * 2_000_000, "units_unread": 1,
         "last_error": "remote unreachable: http://127.0.0.1:9/ (connection refused)", "last_error_at": now - 60,
         "settings": {"cache": {"max_bytes": 20_000_000}, "source": {"storage_options": {"secret": "very-secret"}}},
-        "sources": {"big": {"units_done": 17, "units_total": 32}},
     })
     ledger.close()
     with exclusive(layout.lock):  # this process is the daemon, as far as the lock tells
@@ -90,9 +89,8 @@ def test_status_shows_the_running_daemons_uptime_error_settings_rate_skips_and_s
     assert "cache.max_bytes=20000000" in table and "storage_options" not in table
     assert detail["settings"]["source"]["storage_options"] == {"secret": "***"}
     assert "s3://b/x.parquet:3" in table and "corrupt page: CRC mismatch" in table
-    assert "pass 1: 16 of 32 objects done" in table
-    assert "pass 0: 2 of ? objects done" in table
-    assert "units done 17, units total 32" in table
+    assert "pass 1: 17 units cached this pass, 16 of 32 objects finished" in table
+    assert "pass 0: 3 units cached this pass, 2 of ? objects finished" in table
     assert "of 20.0MB" in table
 
 

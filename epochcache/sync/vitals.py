@@ -23,11 +23,13 @@ def settings_of(config: Config, once: bool) -> dict[str, Any]:
     """What the daemon runs with, as status shows it: no storage options (they hold secrets)."""
     cache, sampler = config.cache, config.sampler
     return {
-        "max_bytes": int(cache.max_bytes), "shard_bytes": int(cache.shard_bytes),
+        "cache": {"max_bytes": int(cache.max_bytes), "shard_bytes": int(cache.shard_bytes),
+                  "eviction": cache.eviction},
         "sources": [{"name": s.name, "url": s.url, "format": s.format, "columns": s.columns, "weight": s.weight}
                     for s in config.sources],
-        "concurrency": sampler.concurrency, "max_bytes_per_s": sampler.max_bytes_per_s,
-        "request_timeout_s": sampler.request_timeout_s, "max_attempts": sampler.max_attempts, "once": once,
+        "sampler": {"concurrency": sampler.concurrency, "max_bytes_per_s": sampler.max_bytes_per_s,
+                    "request_timeout_s": sampler.request_timeout_s, "max_attempts": sampler.max_attempts},
+        "once": once,
     }
 
 
