@@ -5,7 +5,7 @@
     <dir>/shards/<id>.<checksum>.arrow   published shards (Arrow IPC files)
     <dir>/shards/<id>.arrow.tmp          a shard being written; never read, removed at daemon start
     <dir>/quarantine/<file name>         shards that failed their checksum or Arrow structure
-    <dir>/ledger/                        the diskcache/SQLite ledger: the truth about what is published
+    <dir>/ledger/ledger.sqlite3          the SQLite ledger: the truth about what is published
     <dir>/daemon.lock                    held (flock) by the one sync daemon of this cache dir
 
 The checksum in a shard's name lets a file the ledger does not know be checked before it is

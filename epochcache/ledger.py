@@ -78,6 +78,9 @@ Chooser = Callable[[Sequence[ShardRecord], int], Sequence[ShardRecord]]
 
 
 _COLUMNS = "n, id, file, bytes, rows, created, checksum, units, uses, last_used, schema, verified"
+# A lease's records leave out their unit keys: readers never need them, and decoding them was most
+# of the cost of a snapshot of a large cache.
+_LEASED_COLUMNS = _COLUMNS.replace("units", "NULL")
 _LIVE, _RETIRING = 0, 1
 
 
@@ -87,8 +90,8 @@ def _record(row: sqlite3.Row | tuple[Any, ...]) -> ShardRecord:
     # field): a snapshot decodes every record of the cache, and this halves its cost.
     record: ShardRecord = _new(ShardRecord)
     record.__dict__.update(id=sid, filename=file or f"{sid}.{checksum}{SHARD_SUFFIX}", nbytes=nbytes, rows=rows,
-                           created=created, checksum=checksum, units=tuple(json.loads(units)), uses=uses,
-                           last_used=last_used, schema=schema, verified=bool(verified))
+                           created=created, checksum=checksum, units=tuple(json.loads(units)) if units else (),
+                           uses=uses, last_used=last_used, schema=schema, verified=bool(verified))
     return record
 
 
@@ -372,12 +375,13 @@ class Ledger:
         (what ``lru``, ``most-used`` and ``max_uses`` decide by); the lease's records carry the
         counts from before this use. ``holder``: the process the lease lives with (default: this
         one); ``ttl_s`` bounds it only where that process's liveness cannot be checked (another host).
+        The lease's records carry no unit keys (``units`` is empty).
         """
         lease_id = uuid.uuid4().hex
         now = time.time()
         holder = holder or this_process()
         with self._write() as con:
-            rows = con.execute(f"SELECT {_COLUMNS} FROM shards INDEXED BY shards_age WHERE state = 0 "
+            rows = con.execute(f"SELECT {_LEASED_COLUMNS} FROM shards INDEXED BY shards_age WHERE state = 0 "
                                "ORDER BY created, id").fetchall()
             upto = max((row[0] for row in rows), default=0)
             con.execute("INSERT INTO lease_excluded SELECT ?, n FROM shards WHERE state <> 0 AND n <= ?",

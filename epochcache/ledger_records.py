@@ -38,7 +38,8 @@ class ShardRecord:
 
 @dataclass(frozen=True)
 class Lease:
-    """A training epoch's hold on an exact shard set; its shards are not evicted until it ends."""
+    """A training epoch's hold on an exact shard set; its shards are not evicted until it ends. Its
+    records carry no unit keys (``units`` is empty): a reader needs files, rows and checksums."""
 
     id: str
     owner: str

@@ -357,7 +357,7 @@ class EpochCachedLoader:
                 [self._layout.shards / r.filename for r in records], [r.rows for r in records], self.config.columns,
                 self._maps, QuarantineUnreadable(self._layout.root),
             )
-            sampler = self._sampler(len(dataset), epoch, resume.position if resume else 0)
+            sampler = self._sampler([r.rows for r in records], epoch, resume.position if resume else 0)
             info = EpochInfo(
                 epoch=epoch, shards=len(records), samples=len(dataset), bytes=sum(r.nbytes for r in records),
                 batches=sampler.count, skipped_shards=len(lease.shards) - len(records), prepared_ahead=ahead,
@@ -404,9 +404,12 @@ class EpochCachedLoader:
                 "cache.dir a new directory"
             )
 
-    def _sampler(self, samples: int, epoch: int, start: int) -> EpochBatches:
+    def _sampler(self, shard_rows: list[int], epoch: int, start: int) -> EpochBatches:
         cfg, peers = self.config, self._peers
-        order = epoch_order(samples, cfg.seed, epoch, cfg.shuffle, cfg.epoch_samples, cfg.replacement)
+        # Half the open maps per window: a batch near a window's end also touches the next window.
+        window = max(1, cfg.max_open_shards // 2)
+        order = epoch_order(sum(shard_rows), cfg.seed, epoch, cfg.shuffle, cfg.epoch_samples, cfg.replacement,
+                            shard_rows, window)
         part = rank_part(order, peers.local_rank, peers.local_world)
         count = peers.fewest_batches(batch_count(len(part), cfg.batch_size, cfg.drop_last))
         return EpochBatches(part, cfg.batch_size, count, start)

@@ -9,24 +9,29 @@ exactly the batches it has already seen.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from epochcache.seeding import permutation
 
-# A third seed word keeps the with-replacement draws apart from the epoch's permutation.
+# A last seed word keeps the with-replacement draws and the windowed orders apart from the plain permutation.
 _REPLACEMENT_STREAM = 1
+_WINDOW_STREAM = 2
 
 
 def epoch_order(
-    n: int, seed: int, epoch: int, shuffle: bool, length: int | None = None, replacement: bool = False
+    n: int, seed: int, epoch: int, shuffle: bool, length: int | None = None, replacement: bool = False,
+    shard_rows: Sequence[int] | None = None, window: int | None = None,
 ) -> np.ndarray:
     """``length`` (default ``n``) indices into ``range(n)`` for ``epoch``.
 
     With ``replacement`` the indices are independent uniform draws. Without it, every sample appears
     once per round of ``n`` (a fresh permutation each round, seeded by ``(seed, epoch, round)``);
-    ``shuffle=False`` keeps storage order and repeats it.
+    ``shuffle=False`` keeps storage order and repeats it. ``shard_rows`` (the rows of each shard, in
+    dataset order) and ``window``: an epoch over more shards than ``window`` is shuffled window by
+    window (:func:`windowed_permutation`), so a reader keeping ``window`` shards mapped maps each
+    shard about once per round instead of at nearly every touch.
     """
     length = n if length is None else length
     if n == 0:
@@ -35,8 +40,34 @@ def epoch_order(
         return np.random.default_rng([seed, epoch, _REPLACEMENT_STREAM]).integers(0, n, length, dtype=np.int64)
     if not shuffle:
         return np.resize(np.arange(n, dtype=np.int64), length)
-    rounds = [permutation(n, seed, epoch)] + [permutation(n, seed, epoch, r) for r in range(1, math.ceil(length / n))]
+    def one_round(*words: int) -> np.ndarray:
+        if shard_rows is not None and window is not None and len(shard_rows) > window:
+            return windowed_permutation(shard_rows, window, np.random.default_rng([*words, _WINDOW_STREAM]))
+        return permutation(n, *words)
+
+    rounds = [one_round(seed, epoch)] + [one_round(seed, epoch, r) for r in range(1, math.ceil(length / n))]
     return np.concatenate(rounds)[:length]
+
+
+def windowed_permutation(shard_rows: Sequence[int], window: int, rng: np.random.Generator) -> np.ndarray:
+    """A permutation of the rows of shards of ``shard_rows`` rows each (in dataset order): the shards in
+    random order, cut into windows of ``window`` shards, the rows of each window shuffled together.
+
+    Every row appears once. A batch draws from ``window`` shards (at 64 MB shards, 512 of them are
+    32 GB of samples), so batches stay mixed while the shards a reader touches stay few.
+    """
+    rows = np.asarray(shard_rows, dtype=np.int64)
+    offsets = np.cumsum(rows) - rows
+    shards = rng.permutation(len(rows))
+    lengths = rows[shards]
+    ends = np.cumsum(lengths)
+    # Row j of the run of the k-th shard taken is offsets[shards[k]] + (j - start of that run).
+    order = np.arange(ends[-1], dtype=np.int64) - np.repeat(ends - lengths - offsets[shards], lengths)
+    for first in range(0, len(shards), window):
+        lo = int(ends[first - 1]) if first else 0
+        hi = int(ends[min(first + window, len(shards)) - 1])
+        rng.shuffle(order[lo:hi])  # in place: a slice is a view
+    return order
 
 
 def rank_part(order: np.ndarray, rank: int, world: int) -> np.ndarray:

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from epochcache.dataset import ShardSetDataset
 from epochcache.errors import LoaderError
 from epochcache.mappings import ShardMaps
+from epochcache.order import epoch_order
 from epochcache.shards import write_shard
 from epochcache.sources.base import KEY_COLUMN
 
@@ -195,3 +196,30 @@ def test_an_epoch_over_many_tiny_shards_keeps_few_maps_open(tmp_path: Path, shar
         assert len(maps) <= max_open
     assert total == shards * (shards - 1) // 2
     assert sum(int(ds.__getitems__(np.arange(shards))["x"].sum()) for _ in range(2)) == shards * (shards - 1)
+
+
+class _CountingMaps(ShardMaps):
+    """ShardMaps that count how often a shard had to be mapped (a miss)."""
+
+    opened = 0
+
+    def get(self, key, open_one):  # type: ignore[no-untyped-def]
+        def counted():  # type: ignore[no-untyped-def]
+            self.opened += 1
+            return open_one()
+        return super().get(key, counted)
+
+
+def test_an_epoch_over_more_shards_than_open_maps_maps_each_about_once_in_windowed_order(tmp_path: Path) -> None:
+    paths, rows = _shards(tmp_path, [4] * 200)
+    opened = {}
+    for name, order in (("plain", epoch_order(800, 0, 0, True)),
+                        ("windowed", epoch_order(800, 0, 0, True, shard_rows=rows, window=10))):
+        maps = _CountingMaps(20)
+        ds = ShardSetDataset(paths, rows, maps=maps)
+        seen = np.concatenate([ds.__getitems__(order[i : i + 16])["id"].numpy() for i in range(0, 800, 16)])
+        assert sorted(seen.tolist()) == list(range(800))
+        opened[name] = maps.opened
+    # Each shard once (a window of 10 fits in 20 open maps), and shard 0 for the batch template first.
+    assert opened["windowed"] <= 201, opened
+    assert opened["plain"] > 3 * 200, opened  # a shuffle over all 200 maps most shards at every touch

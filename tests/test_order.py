@@ -46,3 +46,32 @@ def test_batches_stop_at_the_agreed_count_and_resume_skips() -> None:
     assert len(batches) == 4 and batches[-1].tolist() == list(range(24, 32))
     resumed = EpochBatches(order, 8, count=4, start=3)
     assert len(resumed) == 1 and [b.tolist() for b in resumed] == [list(range(24, 32))]
+
+
+def _shard_of(order: np.ndarray, rows: list[int]) -> np.ndarray:
+    return np.searchsorted(np.cumsum(rows), order, side="right")
+
+
+def test_an_epoch_over_more_shards_than_the_window_is_shuffled_window_by_window() -> None:
+    rows = [7, 1, 30, 12, 5, 9, 3, 16, 2, 11] * 5  # 50 shards of uneven sizes
+    n, window = sum(rows), 8
+    order = epoch_order(n, 3, 1, True, shard_rows=rows, window=window)
+    assert sorted(order.tolist()) == list(range(n)), "every sample once"
+    assert np.array_equal(order, epoch_order(n, 3, 1, True, shard_rows=rows, window=window)), "seeded"
+    assert not np.array_equal(order, epoch_order(n, 3, 2, True, shard_rows=rows, window=window))
+    shards = _shard_of(order, rows)
+    # Windows follow each other: once a shard's rows begin, at most `window` shards are open at a time.
+    first, last = {}, {}
+    for position, shard in enumerate(shards.tolist()):
+        first.setdefault(shard, position)
+        last[shard] = position
+    open_at = [sum(first[s] <= p <= last[s] for s in first) for p in range(0, n, 17)]
+    assert max(open_at) <= window
+    assert len(set(shards[: sum(sorted(rows)[:window])].tolist())) > 1, "rows of a window are mixed"
+
+
+def test_an_epoch_within_the_window_is_the_plain_permutation() -> None:
+    rows = [4, 5, 6]
+    assert np.array_equal(epoch_order(15, 1, 0, True, shard_rows=rows, window=3), epoch_order(15, 1, 0, True))
+    long = epoch_order(15, 1, 0, True, length=40, shard_rows=[5] * 3, window=2)
+    assert len(long) == 40 and np.bincount(long, minlength=15).min() == 2, "each round uses every sample"
