@@ -22,8 +22,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,17 +31,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import s3fs
+from s3server import moto_server
 
 from epochcache import SyncDaemon, SyncReport, load_config
 
 SAMPLE_BYTES = 16 * 1024
 RESULTS = Path(__file__).resolve().parent / "results"
-_SERVER = (
-    "from moto.server import ThreadedMotoServer; import logging, sys\n"
-    "logging.getLogger('werkzeug').setLevel(logging.ERROR)\n"
-    "s = ThreadedMotoServer(ip_address='127.0.0.1', port=0); s.start()\n"
-    "print('PORT', s.get_host_and_port()[1], flush=True); sys.stdin.read()\n"
-)
 
 
 def main() -> None:
@@ -56,16 +49,8 @@ def main() -> None:
     parser.add_argument("--cache-parent", default=None,
                         help="folder to create the cache dirs in (default: the system temp folder)")
     args = parser.parse_args()
-    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
-    try:
-        lines = iter(server.stdout.readline, "")  # type: ignore[union-attr]
-        port = next(line.split()[1] for line in lines if line.startswith("PORT "))
-        endpoint = f"http://127.0.0.1:{port}"
+    with moto_server() as endpoint:
         result = run(endpoint, args)
-    finally:
-        server.kill()
-        server.wait()
     print_table(result)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "ingest.json").write_text(json.dumps(result, indent=2) + "\n")

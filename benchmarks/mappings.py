@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--max-open", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("mappings.json"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "mappings.json")
     args = parser.parse_args()
     rows = TypeAdapter(ByteSize).validate_python(args.size) // SAMPLE_BYTES
     counts = [int(c) for c in args.shards.split(",")]
@@ -91,6 +91,7 @@ def main() -> None:
                 print(f"{shards:>8} {rows / shards:>14.1f} {order:>9} {rate:>11.0f} "
                       f"{rate * SAMPLE_BYTES / 1e6:>8.0f} {rate / base:>8.2f}")
                 results.append({"shards": shards, "order": order, "samples_per_s": rate, "vs_base": rate / base})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"samples": rows, "batch": args.batch, "max_open_shards": args.max_open,
                                     "results": results}, indent=2))
     print(f"wrote {args.out}")
