@@ -119,6 +119,11 @@ class CacheConfig(_Section):
     max_uses: int | None = Field(
         default=None, ge=1, description="shards used by this many epochs go first, whatever the policy; null = off"
     )
+    min_uses: int = Field(
+        default=1, ge=0,
+        description="a shard is not evicted before this many epochs used it (with none training, the daemon "
+        "fills the budget once and waits: fetching is bounded by training); 0 = rotate regardless",
+    )
     low_watermark: float = Field(
         default=0.9, gt=0.0, le=1.0, description="once room must be made, evict down to this fraction of max_bytes"
     )

@@ -9,6 +9,7 @@ Policies: ``fifo`` (oldest first, the default), ``lru`` (least recently used by 
 never-used shards count as used at their creation), ``most-used`` (the shards trained on most often
 first, so the local set stays fresh), ``random`` (uniform). :class:`MaxUses` wraps any of them:
 shards used ``max_uses`` times or more go first, oldest first, then the wrapped policy's picks.
+:class:`MinUses` (``cache.min_uses``) wraps the result: a shard fewer epochs have used never goes.
 Every policy labels its victims, so the ledger counts evictions per policy.
 
 Each policy but ``random`` also gives its order as SQL (``stages()``: ``(where, order by)`` over the
@@ -135,11 +136,40 @@ class MaxUses:
         return "max_uses" if victim.uses >= self.max_uses else self.policy.label(victim)
 
 
+@dataclass(frozen=True)
+class MinUses:
+    """Only shards used by at least ``min_uses`` epochs may go, in ``policy``'s order: a shard no epoch
+    has trained on is never thrown away, so with no trainer the daemon fills the budget once and
+    waits, and what it fetches is bounded by training."""
+
+    policy: Policy
+    min_uses: int
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    def __call__(self, candidates: Sequence[ShardRecord], need: int) -> list[ShardRecord]:
+        return self.policy([r for r in candidates if r.uses >= self.min_uses], need)
+
+    def stages(self) -> list[tuple[str, str]] | None:
+        """The wrapped policy's stages, each filtered (``+uses``: a filter, not an index bound, so
+        each stage still walks its order's index); None if the wrapped policy has none."""
+        inner = getattr(self.policy, "stages", None)
+        if inner is None:
+            return None
+        return [(f"+uses >= {int(self.min_uses)} AND ({where})", order) for where, order in inner()]
+
+    def label(self, victim: ShardRecord) -> str:
+        return self.policy.label(victim)
+
+
 POLICIES: dict[str, Policy] = {policy.name: policy for policy in (Fifo(), Lru(), MostUsed(), Random())}
 
 
-def policy_named(name: str, max_uses: int | None = None) -> Policy:
-    """The policy registered under ``name``, wrapped in :class:`MaxUses` if ``max_uses`` is set.
+def policy_named(name: str, max_uses: int | None = None, min_uses: int = 0) -> Policy:
+    """The policy registered under ``name``, wrapped in :class:`MaxUses` if ``max_uses`` is set and
+    in :class:`MinUses` if ``min_uses`` > 0 (outermost: no shard used fewer times goes, worn or not).
 
     Raises :class:`ConfigError` naming the valid policies.
     """
@@ -147,4 +177,6 @@ def policy_named(name: str, max_uses: int | None = None) -> Policy:
         policy = POLICIES[name]
     except KeyError:
         raise ConfigError(f"cache.eviction = {name!r}: unknown policy; choose one of {sorted(POLICIES)}") from None
-    return policy if max_uses is None else MaxUses(policy, max_uses)
+    if max_uses is not None:
+        policy = MaxUses(policy, max_uses)
+    return MinUses(policy, min_uses) if min_uses > 0 else policy

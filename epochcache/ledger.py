@@ -297,11 +297,12 @@ class Ledger:
         with self._read() as con:
             shards, nbytes, rows = con.execute(
                 "SELECT sum(shards), sum(bytes), sum(rows) FROM totals").fetchone()
+            retiring = con.execute("SELECT bytes FROM totals WHERE state = 1").fetchone()[0]
             reserved = int(_kv(con, "reserved") or 0)
             quarantined = con.execute("SELECT coalesce(sum(bytes), 0) FROM quarantine").fetchone()[0]
             leases = len(_live_leases(con))
         return Usage(shard_bytes=nbytes, reserved_bytes=reserved, ledger_bytes=self.disk_bytes(), shards=shards,
-                     rows=rows, leases=leases, quarantined_bytes=quarantined)
+                     rows=rows, leases=leases, quarantined_bytes=quarantined, retiring_bytes=retiring)
 
     def disk_bytes(self) -> int:
         """Bytes charged to the ledger: twice its database (a transaction that rewrites every record, a

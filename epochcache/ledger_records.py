@@ -67,6 +67,7 @@ class Usage:
     rows: int
     leases: int
     quarantined_bytes: int = 0
+    retiring_bytes: int = 0  # part of shard_bytes: picked for eviction, waiting for their leases to end
 
     @property
     def total(self) -> int:

@@ -65,7 +65,8 @@ class Publisher:
         self.layout, self.ledger, self.stop, self.evict = layout, ledger, stop, evict
         self.budget = int(cache.max_bytes)
         self.evict_to = int(cache.max_bytes * cache.low_watermark)
-        self.policy = policy_named(cache.eviction, cache.max_uses)
+        self.policy = policy_named(cache.eviction, cache.max_uses, cache.min_uses)
+        self.min_uses = cache.min_uses
         self._state = ""
         self._say("running")
 
@@ -159,12 +160,21 @@ class Publisher:
                 return victims
             if not self.evict:
                 return None
-            if self._state != "backpressure":
-                log.info("backpressure: the budget is full and the shards that must go are leased by "
-                         "running epochs; they are retiring, waiting for those epochs to end")
-                self._say("backpressure")
+            if self.ledger.usage().retiring_bytes:
+                self._wait_for("backpressure", "the budget is full and the shards that must go are leased by "
+                               "running epochs; they are retiring, waiting for those epochs to end")
+            else:
+                self._wait_for("waiting for training", f"the budget is full of shards fewer than cache.min_uses="
+                               f"{self.min_uses} epochs have used; fetching again once epochs use them (set "
+                               "cache.min_uses: 0 to rotate shards whether or not they were trained on)")
             self.stop.wait(_BACKPRESSURE_POLL_S)
         return None
+
+    def _wait_for(self, state: str, why: str) -> None:
+        """Say once, in the log and the daemon's state, why no room is made yet."""
+        if self._state != state:
+            log.info("%s: %s", state, why)
+            self._say(state)
 
     def _say(self, state: str, **detail: Any) -> None:
         """Record the daemon's state for ``epochcache status`` when it changes."""

@@ -84,7 +84,7 @@ def test_restart_resumes_the_cursor(remote: str, make_config: Callable[..., Conf
 
 
 def test_continuous_sync_rotates_within_the_budget(remote: str, make_config: Callable[..., Config]) -> None:
-    config = make_config(remote, **SMALL)
+    config = make_config(remote, **SMALL, **{"cache.min_uses": 0})  # rotate though no epoch uses the shards
     runner = DaemonThread(SyncDaemon(config, progress=False))
     ledger = _ledger(config)
     wait_for(lambda: ledger.counters().get("evicted", 0) >= 3 or runner.error)
@@ -95,6 +95,27 @@ def test_continuous_sync_rotates_within_the_budget(remote: str, make_config: Cal
     assert len(cached) == len(set(cached)), "a unit is never cached twice"
     ledger.close()
     _assert_disk_matches_ledger(config)
+
+
+def test_with_no_epoch_the_daemon_fills_the_budget_once_and_waits(
+    remote: str, make_config: Callable[..., Config]
+) -> None:
+    """cache.min_uses (default 1): no shard goes before an epoch used it, so what the daemon fetches
+    is bounded by training; an epoch's snapshot lets it rotate again."""
+    config = make_config(remote, **SMALL)
+    fetched: list[str] = []
+    runner = DaemonThread(SyncDaemon(config, progress=False, on_fetch=lambda unit: fetched.append(unit.key)))
+    ledger = _ledger(config)
+    wait_for(lambda: (ledger.daemon_state() or {}).get("state") == "waiting for training" or runner.error)
+    published_units = sum(len(r.units) for r in ledger.shards())
+    # At most the reads in flight and one shard's units beyond what is published: fetching has stopped.
+    assert len(fetched) <= published_units + config.sampler.concurrency + 8, (len(fetched), published_units)
+    assert ledger.counters().get("evicted", 0) == 0
+    ledger.release(ledger.snapshot("epoch-0", ttl_s=60).id)  # an epoch used every shard
+    wait_for(lambda: ledger.counters().get("evicted", 0) > 0 or runner.error)
+    runner.stop()
+    assert ledger.usage().total <= int(config.cache.max_bytes)
+    ledger.close()
 
 
 def _probe(ledger: Ledger) -> list[ShardRecord]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from epochcache.errors import ConfigError
-from epochcache.evict import POLICIES, Fifo, Lru, MaxUses, MostUsed, Random, policy_named
+from epochcache.evict import POLICIES, Fifo, Lru, MaxUses, MinUses, MostUsed, Random, policy_named
 from epochcache.ledger import Ledger, ShardRecord, _choose
 
 
@@ -111,6 +111,17 @@ def test_max_uses_goes_first_whatever_the_policy() -> None:
     assert policy.name == "fifo"
 
 
+def test_min_uses_never_picks_a_shard_fewer_epochs_used() -> None:
+    candidates = [record("old-unused", 1.0, uses=0), record("used", 2.0, uses=1), record("new-used", 3.0, uses=2)]
+    policy = MinUses(Fifo(), min_uses=1)
+    assert [r.id for r in policy(candidates, 250)] == ["used", "new-used"], "all it may take, never the unused"
+    assert [r.id for r in MinUses(Fifo(), 2)(candidates, 50)] == ["new-used"]
+    assert policy.name == "fifo" and policy.label(candidates[1]) == "fifo"
+    assert policy_named("fifo", min_uses=0) is POLICIES["fifo"], "0 turns it off"
+    wrapped = policy_named("lru", max_uses=3, min_uses=1)
+    assert isinstance(wrapped, MinUses) and isinstance(wrapped.policy, MaxUses), "outermost: worn or not"
+
+
 @pytest.mark.parametrize("name", ["fifo", "lru", "most-used", "random"])
 def test_every_policy_by_name_and_labels(name: str) -> None:
     policy = policy_named(name)
@@ -122,9 +133,10 @@ def test_every_policy_by_name_and_labels(name: str) -> None:
     assert isinstance(wrapped, MaxUses) and wrapped.policy is policy and wrapped.max_uses == 2
 
 
-@pytest.mark.parametrize("policy", [Fifo(), Lru(), MostUsed(), MaxUses(Fifo(), 3), MaxUses(Lru(), 3)],
+@pytest.mark.parametrize("policy", [Fifo(), Lru(), MostUsed(), MaxUses(Fifo(), 3), MaxUses(Lru(), 3),
+                                    MinUses(Fifo(), 1), MinUses(MaxUses(MostUsed(), 3), 2)],
                          ids=lambda p: f"{type(p).__name__}")
-def test_indexed_policies_walk_an_index_never_sort_the_cache(tmp_path: Path, policy: MaxUses) -> None:
+def test_indexed_policies_walk_an_index_never_sort_the_cache(tmp_path: Path, policy: MaxUses | MinUses) -> None:
     """Each stage's ORDER BY is served by an index (ties of lru/most-used aside), so k victims cost
     O(k log n): SQLite never sorts the whole candidate set first."""
     ledger = Ledger(tmp_path / "ledger")
@@ -146,7 +158,7 @@ def test_indexed_eviction_matches_the_policy_order(tmp_path: Path) -> None:
         ledger.release(ledger.snapshot("t", 60).id)
         ledger.drop([f"s{i}"])
         ledger.adopt([records[i]])
-    for policy in (Fifo(), Lru(), MostUsed(), MaxUses(Lru(), 3)):
+    for policy in (Fifo(), Lru(), MostUsed(), MaxUses(Lru(), 3), MinUses(Lru(), 2), MinUses(MaxUses(Fifo(), 4), 3)):
         expected = [r.id for r in policy(ledger.shards(), 95)]
         assert [r.id for r in _choose(ledger._db(), policy, 95)] == expected, policy
     ledger.close()
