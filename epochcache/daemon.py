@@ -265,7 +265,8 @@ class _Run:
 
     def _progress(self, position: MixCursor) -> dict[str, int | None]:
         """What ``epochcache status`` shows as sampler progress (this node's share of each stream's
-        pass): ``pass``, ``units_done`` (units put in shards this pass), ``objects_done`` (objects
+        pass): ``pass``, ``remote_rows`` (an estimate of the rows of this node's share, see
+        :meth:`Stream.remote_rows`), ``units_done`` (units put in shards this pass), ``objects_done`` (objects
         whose every unit is behind the cursor: with ``mix_units`` interleaving, few until the end),
         ``objects_total``, prefixed by ``<source name>.`` when the config names several sources."""
         rank, nodes = self.cfg.sampler.partition()
@@ -275,6 +276,7 @@ class _Run:
             total = stream.totals.get(cursor.pass_)
             done = cursor.group * self.cfg.sampler.mix_units
             progress |= {f"{prefix}pass": cursor.pass_,
+                         f"{prefix}remote_rows": stream.remote_rows(cursor.pass_),
                          f"{prefix}units_done": self.units_done[stream.name],
                          f"{prefix}objects_done": done if total is None else min(done, total),
                          f"{prefix}objects_total": total}

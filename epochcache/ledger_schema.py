@@ -12,6 +12,12 @@ processes that open the cache):
   those listed as excluded (retiring when it was taken); row numbers are never reused.
 - ``quarantine``, ``skipped``, ``listing_pages``, ``counters``, ``kv`` (cursor, daemon state,
   identity, listings' headers, the reservation, as JSON).
+- ``trained``: the hash of every unit an epoch has held (its shard's first snapshot adds its units),
+  and ``epochs``: one row per snapshot (samples, samples trained so far, distinct samples trained so
+  far, bytes fetched so far), for coverage and echo.
+
+Versions: 1 lacked ``trained`` and ``epochs``; every statement here is ``IF NOT EXISTS``, so a
+version-1 ledger is brought to this version by running them.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import tenacity
 
 from epochcache.errors import LedgerError, LedgerFullError
 
-VERSION = 1
+VERSION = 2
 DB_NAME = "ledger.sqlite3"
 LEGACY_DB_NAME = "cache.db"  # the diskcache ledger of epochcache before the schema
 
@@ -85,6 +91,10 @@ CREATE TABLE IF NOT EXISTS listing_pages(stream TEXT NOT NULL, number INTEGER NO
                            PRIMARY KEY(stream, number)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS counters(name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS kv(key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS trained(h INTEGER PRIMARY KEY) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS epochs(n INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, owner TEXT NOT NULL,
+                    samples INTEGER NOT NULL, trained REAL NOT NULL, distinct_trained REAL NOT NULL,
+                    fetched_bytes INTEGER NOT NULL);
 """
 
 
@@ -121,8 +131,8 @@ def _open(path: Path, factory: Connect) -> sqlite3.Connection:
     con = factory(path)
     try:
         version = con.execute("PRAGMA user_version").fetchone()[0]
-        if version == 0:
-            # Every statement is idempotent, so processes creating the schema together agree.
+        if version < VERSION:
+            # Every statement is idempotent, so processes creating (or upgrading) the schema together agree.
             con.executescript(f"BEGIN IMMEDIATE;{_DDL}PRAGMA user_version={VERSION};COMMIT;")
         elif version != VERSION:
             raise LedgerError(

@@ -26,8 +26,11 @@ _PAGES_HELD = 8
 class PagedListing(Sequence[RemoteObject]):
     """Objects ``0..count-1`` of a stored listing; an index is looked up in its page."""
 
-    def __init__(self, ledger: Ledger, starts: list[int], count: int, stream: str = "") -> None:
+    def __init__(self, ledger: Ledger, starts: list[int], count: int, stream: str = "",
+                 nbytes: int | None = None) -> None:
+        """``nbytes``: the listed objects' sizes summed (None for a listing stored without it)."""
         self._ledger, self._starts, self._count, self._stream = ledger, starts, count, stream
+        self.nbytes = nbytes
         self._page = functools.lru_cache(maxsize=_PAGES_HELD)(self._load)
 
     @classmethod
@@ -35,7 +38,7 @@ class PagedListing(Sequence[RemoteObject]):
         """The listing ``header`` (from ``ledger.stream_listing(stream)``) describes; None if it is incomplete."""
         if header.get("count") is None:
             return None
-        return cls(ledger, list(header["starts"]), int(header["count"]), stream)
+        return cls(ledger, list(header["starts"]), int(header["count"]), stream, header.get("bytes"))
 
     def __len__(self) -> int:
         return self._count
@@ -67,13 +70,14 @@ def store_listing(
     ledger: Ledger, pages: Iterator[list[RemoteObject]], header: dict[str, Any], stream: str = ""
 ) -> PagedListing:
     """Write ``pages`` into the ledger as ``stream``'s listing as they arrive, then its header
-    (``header`` plus ``count`` and the page ``starts``); return the listing over them."""
+    (``header`` plus ``count``, the page ``starts`` and the objects' total ``bytes``); return the listing over them."""
     ledger.set_stream_listing(stream, {**header, "count": None})
     ledger.drop_listing_pages(stream)
-    starts, count = [], 0
+    starts, count, nbytes = [], 0, 0
     for number, page in enumerate(pages):
         ledger.set_listing_page(number, [(obj.path, obj.size, obj.etag) for obj in page], stream)
         starts.append(count)
         count += len(page)
-    ledger.set_stream_listing(stream, {**header, "count": count, "starts": starts})
-    return PagedListing(ledger, starts, count, stream)
+        nbytes += sum(obj.size for obj in page)
+    ledger.set_stream_listing(stream, {**header, "count": count, "starts": starts, "bytes": nbytes})
+    return PagedListing(ledger, starts, count, stream, nbytes)

@@ -46,6 +46,7 @@ from pydantic import ValidationError
 from torch.utils.data import DataLoader
 
 from epochcache.config import LoaderConfig, format_validation_error, load_config
+from epochcache.coverage import coverage_of
 from epochcache.dataset import ShardSetDataset
 from epochcache.device import pin_batch, pinning_available, to_device
 from epochcache.distributed import Peers
@@ -78,7 +79,8 @@ _AUTO_WORKERS = 2
 class EpochInfo:
     """What an epoch was built from. ``snapshot`` identifies its shard set (a hash of the shard ids);
     ``start_batch`` > 0 for a resumed epoch; ``first_batch_wait_s`` is the time from ``iter()`` to its
-    first batch, None until that batch exists."""
+    first batch, None until that batch exists. ``coverage`` and ``echo``: the cache's, this epoch
+    included (see :mod:`epochcache.coverage`; coverage None while the remote's size is unknown)."""
 
     epoch: int
     shards: int
@@ -90,6 +92,8 @@ class EpochInfo:
     first_batch_wait_s: float | None = None
     snapshot: str = ""
     start_batch: int = 0
+    coverage: float | None = None
+    echo: float | None = None
 
 
 class _Epoch:
@@ -358,7 +362,9 @@ class EpochCachedLoader:
                 self._maps, QuarantineUnreadable(self._layout.root),
             )
             sampler = self._sampler([r.rows for r in records], epoch, resume.position if resume else 0)
+            covered = coverage_of(self._ledger)
             info = EpochInfo(
+                coverage=None if covered is None else covered.coverage, echo=None if covered is None else covered.echo,
                 epoch=epoch, shards=len(records), samples=len(dataset), bytes=sum(r.nbytes for r in records),
                 batches=sampler.count, skipped_shards=len(lease.shards) - len(records), prepared_ahead=ahead,
                 snapshot=snapshot_id([r.id for r in records]), start_batch=min(sampler.start, sampler.count),
@@ -448,7 +454,8 @@ class EpochCachedLoader:
         ``wait_timeout_s``; see :class:`epochcache.waiting.Patience`)."""
         patience = Patience(self._layout, self.config.wait_timeout_s)
         while True:
-            lease = self._ledger.snapshot(f"{self._owner}:epoch{epoch}", self.config.lease_ttl_s)
+            lease = self._ledger.snapshot(f"{self._owner}:epoch{epoch}", self.config.lease_ttl_s,
+                                          samples=self.config.epoch_samples)
             with self._held_lock:
                 self._held.add(lease.id)
             if any(r.rows for r in lease.shards):  # zero-row shards alone would make an epoch of no batches

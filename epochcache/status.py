@@ -17,6 +17,7 @@ from pydantic import ByteSize
 
 from epochcache.clear import existing_layout
 from epochcache.config import Config
+from epochcache.coverage import coverage_of
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Ledger
 from epochcache.lockfile import holder
@@ -28,7 +29,8 @@ SKIPPED_ROWS = 20
 
 
 def cache_status(config: Config) -> dict[str, Any]:
-    """A JSON-ready summary: shards, samples, bytes vs budget, leases, evictions, quarantine,
+    """A JSON-ready summary: shards, samples, bytes vs budget, leases, evictions, quarantine, coverage
+    and echo of the epochs so far (:mod:`epochcache.coverage`),
     the daemon's state (uptime, last error, effective settings, fetch rate), skipped units with
     their reasons and the sampler's progress through the current pass. :class:`CacheError` if
     ``config.cache.dir`` holds no cache."""
@@ -77,6 +79,7 @@ def cache_status(config: Config) -> dict[str, Any]:
                 for key, info in sorted(skipped.items())[:SKIPPED_ROWS]
             ],
             "counters": ledger.counters(),
+            "coverage": None if (covered := coverage_of(ledger)) is None else covered.to_dict(),
             "progress": (cursor or {}).get("progress"),
             "cursor": cursor,
         }
@@ -113,6 +116,7 @@ def format_status(status: dict[str, Any]) -> str:
                                                            if status["skipped_units"] else "")),
         *((f"  {u['unit']}", ("failed again at the pass end: " if u["final"] else "") + f"{u['reason']}")
           for u in status["skipped"]),
+        ("coverage", _coverage(status["coverage"])),
         ("progress", _progress(status["progress"], status["cursor"])),
         *_source_rows(status["progress"]),
     ]
@@ -214,6 +218,17 @@ def _duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _coverage(coverage: dict[str, Any] | None) -> str:
+    """``12.5% of ~80000 remote samples, echo 2.40 over 7 epochs (100.0MB fetched)``."""
+    if coverage is None:
+        return "no epoch yet"
+    share = (f"{100 * coverage['coverage']:.1f}% of ~{coverage['remote_samples']} remote samples"
+             if coverage["coverage"] is not None else f"{coverage['distinct_trained']} distinct samples")
+    echo = f"{coverage['echo']:.2f}" if coverage["echo"] is not None else "-"
+    return (f"{share}, echo {echo} over {coverage['epochs']} epochs "
+            f"({human_bytes(coverage['fetched_bytes'])} fetched)")
 
 
 def _evictions(counters: dict[str, int]) -> dict[str, int]:

@@ -13,6 +13,7 @@ import pytest
 import yaml
 from conftest import write_parquet_dataset
 
+from epochcache import Ledger
 from epochcache.cli import main
 
 
@@ -39,6 +40,16 @@ def test_sync_once_then_status_json(tmp_path: Path, capsys) -> None:
     assert main(["status", "--config", str(config)]) == 0
     table = capsys.readouterr().out
     assert "samples" in table and "pass 1: 0 units cached this pass, 0 of ? objects finished" in table, table
+    assert status["coverage"] is None and "coverage       no epoch yet" in table
+    ledger = Ledger(tmp_path / "cache" / "ledger")
+    for _ in range(2):  # two epochs over the whole remote
+        ledger.release(ledger.snapshot("trainer", ttl_s=60).id)
+    ledger.close()
+    assert main(["status", "--config", str(config), "--json"]) == 0
+    coverage = json.loads(capsys.readouterr().out)["coverage"]
+    assert coverage["coverage"] == 1.0 and coverage["echo"] == 2.0 and coverage["remote_samples"] == 3 * 64
+    assert main(["status", "--config", str(config)]) == 0
+    assert "100.0% of ~192 remote samples, echo 2.00 over 2 epochs" in capsys.readouterr().out
 
 
 def test_set_override_is_validated(tmp_path: Path, capsys) -> None:

@@ -95,6 +95,11 @@ def test_remote_to_three_epochs_within_budget_and_resumable(
 
     counts = [e.shards for e in epochs]
     assert counts == sorted(counts) and counts[-1] > counts[0], f"the shard set grew: {epochs}"
+    # Coverage: the first epoch trains only distinct samples, out of the remote's 8,192 (every footer
+    # of the 8 files was read with the first group); later epochs add new samples and repeat old ones.
+    assert epochs[0].echo == 1.0 and epochs[0].coverage == pytest.approx(epochs[0].samples / (FILES * ROWS_PER_FILE))
+    assert [e.coverage for e in epochs] == sorted(e.coverage for e in epochs) and epochs[-1].coverage <= 1
+    assert epochs[-1].echo > 1.0, "epochs re-read cached samples"
     assert watcher.samples > 10 and 0 < peak <= budget, f"bytes under the cache dir peaked at {peak} > {budget}"
     keys = _cached_keys(config)
     assert keys and len(keys) == len(set(keys)), "no sample appears twice in the cache"

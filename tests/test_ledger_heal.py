@@ -60,6 +60,21 @@ def test_garbage_ledger_is_one_line_and_rebuilt_whole(layout: CacheLayout) -> No
     ledger.close()
 
 
+def test_a_version_1_ledger_is_upgraded_in_place(layout: CacheLayout) -> None:
+    records = write_shards(layout, 2)
+    ledger = Ledger(layout.ledger)
+    ledger.adopt(records)
+    ledger.close()
+    con = sqlite3.connect(layout.ledger / DB_NAME)
+    con.executescript("DROP TABLE trained; DROP TABLE epochs; PRAGMA user_version=1;")  # as version 1 wrote it
+    con.close()
+    ledger = Ledger(layout.ledger)
+    assert ledger.shards() == records and ledger.epochs() == []
+    ledger.release(ledger.snapshot("t", ttl_s=60).id)
+    assert ledger.epochs()[0]["distinct_trained"] == 10
+    ledger.close()
+
+
 def test_half_truncated_ledger_is_rebuilt(layout: CacheLayout) -> None:
     records = write_shards(layout, 3)
     ledger = Ledger(layout.ledger)

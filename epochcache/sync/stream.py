@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -20,6 +21,7 @@ class Stream:
     not tell them (Arrow IPC, WebDataset); ``estimates``: those estimates for units not read yet;
     ``unaccounted``: rows read minus rows estimated, for the pick to count next; ``idle_until``:
     while every unit of its last pass was cached, it gives no unit until then (monotonic seconds).
+    ``node_bytes``, ``objects_counted``, ``rows_counted``: for :meth:`remote_rows`.
     """
 
     config: SourceConfig
@@ -29,6 +31,9 @@ class Stream:
     estimates: dict[str, int] = field(default_factory=dict)
     unaccounted: int = 0
     idle_until: float = 0.0
+    node_bytes: int | None = None  # this node's share of the current pass's listed bytes
+    objects_counted: int = 0  # objects whose metadata told their rows, and those rows
+    rows_counted: int = 0
 
     @property
     def name(self) -> str:
@@ -50,6 +55,24 @@ class Stream:
         estimate = max(1, round(unit.nbytes * self.rows_per_byte)) if self.rows_per_byte else 1
         self.estimates[unit.key] = estimate
         return estimate
+
+    def count_rows(self, units: Sequence[Unit]) -> None:
+        """Take in an object's units: where the metadata tells every unit's rows, count the object."""
+        if units and all(unit.rows is not None for unit in units):
+            self.objects_counted += 1
+            self.rows_counted += sum(unit.rows or 0 for unit in units)
+
+    def remote_rows(self, pass_: int) -> int | None:
+        """An estimate of the rows of this node's share of ``pass_``: rows per object from the
+        metadata read so far times the objects (Parquet, objects: exact once every footer was read),
+        else rows per byte read times the listed bytes (Arrow IPC, WebDataset); None before either."""
+        # A pass not listed yet (the cursor just moved past the last) has as many objects as the last.
+        objects = self.totals.get(pass_, self.totals[max(self.totals)] if self.totals else None)
+        if objects is not None and self.objects_counted:
+            return round(self.rows_counted / self.objects_counted * objects)
+        if self.rows_per_byte and self.node_bytes:
+            return round(self.rows_per_byte * self.node_bytes)
+        return None
 
     def learn(self, unit: Unit, table: pa.Table) -> None:
         """Take in a read unit's true rows: the estimate's error goes to ``unaccounted``."""

@@ -4,7 +4,8 @@ Out (``ledger.update_daemon_state``): ``started`` (epoch seconds), ``settings`` 
 sources without their storage options, concurrency, rate limit), ``fetched_bytes`` and
 ``fetch_bytes_per_s`` (over the last interval), ``last_error`` / ``last_error_at``: the first failure
 of the current outage ("remote unreachable since 12:03:11: <one line>"), cleared once a read works
-again. Writes are at most one per ``interval_s`` while fetching, so the ledger is not a hot path.
+again; and the ledger's ``fetched_bytes`` counter (every run's). Writes are at most one per
+``interval_s`` while fetching, so the ledger is not a hot path.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Vitals:
     def __init__(self, ledger: Ledger, clock: Callable[[], float] = time.time, interval_s: float = 1.0) -> None:
         self.ledger, self.clock, self.interval_s = ledger, clock, interval_s
         self.fetched_bytes = 0
+        self._counted = 0  # of fetched_bytes, added to the ledger's fetched_bytes counter
         self._mark = (0.0, 0)  # (time, fetched_bytes) of the last write
         self._failing_since: float | None = None
         self._fields: dict[str, Any] = {}
@@ -86,3 +88,6 @@ class Vitals:
             self._mark = (now, self.fetched_bytes)
         self._fields["fetched_bytes"] = self.fetched_bytes
         note(self.ledger.update_daemon_state, self._fields)
+        # The cache's lifetime total (this run's is in the state): what epochs' coverage is paid with.
+        note(self.ledger.incr, "fetched_bytes", self.fetched_bytes - self._counted)
+        self._counted = self.fetched_bytes

@@ -97,6 +97,7 @@ class Walk:
             # The pass before stays known: its last units are still consumed while this one is walked.
             stream.totals = {p: n for p, n in stream.totals.items() if p == pass_ - 1}
             stream.totals[pass_] = len(sampler.node_objects(pass_))
+            stream.node_bytes = None if objects.nbytes is None else objects.nbytes // nodes
             fetching = False
             for unit, after in sampler.walk(cursor):
                 fetching = fetching or not self.claims.taken(unit.key)
@@ -125,10 +126,12 @@ class Walk:
         if future is None:
             return []
         try:
-            return future.result()
+            units = future.result()
         except SKIPPABLE as exc:
             self.skips.skip(stream, pass_, f"{obj.path}#*", obj, None, exc)
             return []
+        stream.count_rows(units)
+        return units
 
     def _objects(self, stream: Stream, pass_: int) -> PagedListing | None:
         """The listing this pass of ``stream`` walks: streamed into the ledger once per pass and
