@@ -91,8 +91,9 @@ def test_ten_percent_faults_every_unit_published_once_or_skipped(
     for _, table in tables:
         _assert_rows_intact(table)
     assert sum(t.num_rows for _, t in tables) == len(log.published) * ROWS_PER_GROUP
-    assert cursor["progress"] == {"pass": 1, "units_done": 0, "objects_done": 0, "objects_total": None,
-                                  "node_rank": 0, "num_nodes": 1, "units_skipped": report.units_skipped}, "pass 0 done"
+    assert cursor["progress"] == {"pass": 1, "remote_rows": FILES * ROWS_PER_FILE, "units_done": 0,
+                                  "objects_done": 0, "objects_total": None, "node_rank": 0, "num_nodes": 1,
+                                  "units_skipped": report.units_skipped}, "pass 0 done"
 
 
 def test_an_object_deleted_mid_pass_is_skipped_and_the_pass_completes(
