@@ -163,6 +163,11 @@ class SamplerConfig(_Section):
         default=None, gt=0, description="cap on the daemon's intake (decoded Arrow bytes/s); null = none"
     )
     mix_units: int = Field(default=8, ge=1, le=1024, description="objects whose units are interleaved")
+    row_fraction: float = Field(
+        default=1.0, gt=0.0, le=1.0,
+        description="keep a seeded 1/ceil(1/f) of each unit's rows per pass (each row once over that many "
+        "passes): the cache spans that many times more units, for that many times the remote reads",
+    )
     node_rank: int | None = Field(default=None, ge=0, description="this node's rank; null = GROUP_RANK or 0")
     num_nodes: int | None = Field(
         default=None, ge=1, description="nodes splitting the order; null = WORLD_SIZE/LOCAL_WORLD_SIZE or 1"

@@ -62,6 +62,7 @@ from epochcache.sync.intake import Intake, Throttle
 from epochcache.sync.notes import note, until_written
 from epochcache.sync.report import StopReason, SyncReport
 from epochcache.sync.skips import SkipBook
+from epochcache.sync.slicing import Slicer, parts_of
 from epochcache.sync.stream import Stream
 from epochcache.sync.vitals import Vitals, settings_of
 from epochcache.sync.walk import Walk
@@ -114,7 +115,8 @@ class SyncDaemon:
                     return SyncReport()  # stopped before it began
                 timeout = self.config.sampler.request_timeout_s
                 largest = int(self.config.sampler.max_sample_bytes)
-                streams = [Stream(cfg, open_source(cfg, timeout, largest)) for cfg in self.config.sources]
+                slicer = Slicer(parts_of(self.config.sampler.row_fraction), self.config.sampler.seed)
+                streams = [Stream(cfg, open_source(cfg, timeout, largest), slicer) for cfg in self.config.sources]
                 return _Run(self, ledger, streams, stop, once).execute()
             finally:
                 ledger.close()

@@ -37,11 +37,16 @@ class Unit:
     rows: int | None
     row_offset: int | None
     nbytes: int
+    # With ``sampler.row_fraction`` < 1: which seeded slice of the unit's rows is meant (see
+    # :mod:`epochcache.sync.slicing`); None: every row.
+    part: int | None = None
 
     @property
     def key(self) -> str:
-        """Stable identity of the unit across runs and passes: ``<object path>#<index>``."""
-        return f"{self.obj.path}#{self.index}"
+        """Stable identity of the unit across runs and passes: ``<object path>#<index>``, and
+        ``~<part>`` for a slice of its rows."""
+        whole = f"{self.obj.path}#{self.index}"
+        return whole if self.part is None else f"{whole}~{self.part}"
 
 
 class Source(Protocol):

@@ -73,7 +73,8 @@ class SkipBook:
                 continue
             obj = RemoteObject(info["path"], info["size"])
             try:
-                units = self.retrier.call(stream.source.units, obj, what=f"metadata of {obj.path}")
+                units = stream.slicer.units(
+                    self.retrier.call(stream.source.units, obj, what=f"metadata of {obj.path}"), pass_)
                 wanted = units if info["index"] is None else [units[info["index"]]]
                 for unit in wanted:
                     if not self.claims.taken(unit.key):

@@ -10,6 +10,7 @@ import pyarrow as pa
 from epochcache.config import SourceConfig
 from epochcache.errors import CorruptObjectError
 from epochcache.sources import Source, Unit
+from epochcache.sync.slicing import Slicer
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Stream:
 
     config: SourceConfig
     source: Source
+    slicer: Slicer = field(default_factory=Slicer)
     totals: dict[int, int] = field(default_factory=dict)
     rows_per_byte: float | None = None
     estimates: dict[str, int] = field(default_factory=dict)
@@ -40,19 +42,20 @@ class Stream:
         return self.config.name
 
     def read(self, unit: Unit) -> pa.Table:
-        """The unit's rows; raises :class:`CorruptObjectError` for a unit of 0 rows (it is skipped:
-        a shard never holds 0 rows)."""
+        """The unit's rows (its slice's, see :mod:`epochcache.sync.slicing`); raises
+        :class:`CorruptObjectError` for a unit of 0 rows (it is skipped: a shard never holds 0 rows)."""
         table = self.source.read(unit)
         if table.num_rows == 0:
             raise CorruptObjectError(f"{unit.key} holds 0 rows")
-        return table
+        return self.slicer.rows(unit, table)  # a slice may hold 0 rows: it adds nothing
 
     def rows_of(self, unit: Unit) -> int:
         """The unit's rows from metadata, else estimated from its bytes (1 before any read) and
         remembered, so the read can correct the count."""
         if unit.rows is not None:
             return unit.rows
-        estimate = max(1, round(unit.nbytes * self.rows_per_byte)) if self.rows_per_byte else 1
+        share = self.rows_per_byte / (self.slicer.parts if unit.part is not None else 1) if self.rows_per_byte else 0
+        estimate = max(1, round(unit.nbytes * share)) if share else 1
         self.estimates[unit.key] = estimate
         return estimate
 
@@ -78,5 +81,6 @@ class Stream:
         """Take in a read unit's true rows: the estimate's error goes to ``unaccounted``."""
         if unit.rows is None:
             self.unaccounted += table.num_rows - self.estimates.pop(unit.key, table.num_rows)
-            if unit.nbytes > 0:
-                self.rows_per_byte = table.num_rows / unit.nbytes
+            if unit.nbytes > 0:  # of the whole unit: a slice holds about 1/parts of its rows
+                whole = table.num_rows * (self.slicer.parts if unit.part is not None else 1)
+                self.rows_per_byte = whole / unit.nbytes

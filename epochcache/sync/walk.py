@@ -131,7 +131,7 @@ class Walk:
             self.skips.skip(stream, pass_, f"{obj.path}#*", obj, None, exc)
             return []
         stream.count_rows(units)
-        return units
+        return stream.slicer.units(units, pass_)
 
     def _objects(self, stream: Stream, pass_: int) -> PagedListing | None:
         """The listing this pass of ``stream`` walks: streamed into the ledger once per pass and

@@ -1,0 +1,57 @@
+"""Row slices of units (``sampler.row_fraction``): a cache of whole row groups from a sorted remote
+spans few of them; a slice of each spans more.
+
+With a fraction f < 1, every row of a unit is drawn into one of ``parts`` = ceil(1/f) slices by a
+generator seeded by ``(sampler.seed, the unit's key)``, so the draw is the same in every pass, run
+and process; pass p reads units whole and keeps slice ``p % parts``. Over ``parts`` passes every row
+is cached once; a unit's slice has its own key (``<object>#<index>~<part>``), so a slice is cached
+at most once while the others may be. The price: each row group is read whole for the rows it keeps,
+so the remote bytes read per byte cached grow ``parts`` times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import xxhash
+
+from epochcache.sources import Unit
+
+
+def parts_of(row_fraction: float) -> int:
+    """Slices per unit for a ``row_fraction`` in (0, 1] (1: no slicing)."""
+    return max(1, math.ceil(1 / row_fraction - 1e-9))
+
+
+@dataclass(frozen=True)
+class Slicer:
+    """Cuts units into ``parts`` seeded row slices (``parts`` 1: units stay whole)."""
+
+    parts: int = 1
+    seed: int = 0
+
+    def units(self, units: Sequence[Unit], pass_: int) -> list[Unit]:
+        """``units`` as pass ``pass_`` reads them: each meaning its slice ``pass_ % parts``, with the
+        slice's exact row count where the unit's is known."""
+        if self.parts == 1:
+            return list(units)
+        part = pass_ % self.parts
+        return [dataclasses.replace(unit, part=part, rows=None if unit.rows is None else
+                                    int(np.count_nonzero(self._draw(unit, unit.rows) == part)))
+                for unit in units]
+
+    def rows(self, unit: Unit, table: pa.Table) -> pa.Table:
+        """The rows of ``table`` (all of ``unit``'s rows, as read) in the unit's slice."""
+        if unit.part is None:
+            return table
+        return table.filter(pa.array(self._draw(unit, table.num_rows) == unit.part))
+
+    def _draw(self, unit: Unit, rows: int) -> np.ndarray:
+        whole = f"{unit.obj.path}#{unit.index}"
+        return np.random.default_rng([self.seed, xxhash.xxh3_64_intdigest(whole.encode())]).integers(
+            0, self.parts, rows)
