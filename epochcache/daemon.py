@@ -246,9 +246,7 @@ class _Run:
         return True
 
     def _read(self, stream: Stream, unit: Unit) -> pa.Table:
-        table = self.retrier.call(stream.read, unit, what=f"{unit.key}")
-        self.intake.take(stream, unit, table)
-        return table
+        return self.intake.take(stream, unit, self.retrier.call(stream.read, unit, what=f"{unit.key}"))
 
     def _publish(self, building: Building) -> bool:
         """Hand ``building`` to the writer as one shard with the cursor just past its last unit."""

@@ -43,11 +43,15 @@ class Intake:
                  on_fetch: Callable[[Unit], None] | None, vitals: Vitals) -> None:
         self.report, self.bar, self.throttle, self.on_fetch, self.vitals = report, bar, throttle, on_fetch, vitals
 
-    def take(self, stream: Stream, unit: Unit, table: pa.Table) -> None:
+    def take(self, stream: Stream, unit: Unit, table: pa.Table) -> pa.Table:
+        """Account for ``table`` (all of ``unit``'s rows, as read: what the remote was asked for) and
+        return the rows to cache, the unit's slice (``sampler.row_fraction``; may be empty)."""
+        kept = stream.slicer.rows(unit, table)
         self.report.units_fetched += 1
         self.vitals.fetched(table.nbytes)
-        stream.learn(unit, table)
+        stream.learn(unit, table, kept.num_rows)
         if self.on_fetch is not None:
             self.on_fetch(unit)
         self.bar.update(table.nbytes)
         self.throttle.consume(table.nbytes)
+        return kept

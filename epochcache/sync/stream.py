@@ -42,12 +42,12 @@ class Stream:
         return self.config.name
 
     def read(self, unit: Unit) -> pa.Table:
-        """The unit's rows (its slice's, see :mod:`epochcache.sync.slicing`); raises
-        :class:`CorruptObjectError` for a unit of 0 rows (it is skipped: a shard never holds 0 rows)."""
+        """All the unit's rows, as read (its slice is cut by :class:`~epochcache.sync.intake.Intake`);
+        raises :class:`CorruptObjectError` for a unit of 0 rows (skipped: a shard never holds 0 rows)."""
         table = self.source.read(unit)
         if table.num_rows == 0:
             raise CorruptObjectError(f"{unit.key} holds 0 rows")
-        return self.slicer.rows(unit, table)  # a slice may hold 0 rows: it adds nothing
+        return table
 
     def rows_of(self, unit: Unit) -> int:
         """The unit's rows from metadata, else estimated from its bytes (1 before any read) and
@@ -77,10 +77,10 @@ class Stream:
             return round(self.rows_per_byte * self.node_bytes)
         return None
 
-    def learn(self, unit: Unit, table: pa.Table) -> None:
-        """Take in a read unit's true rows: the estimate's error goes to ``unaccounted``."""
+    def learn(self, unit: Unit, whole: pa.Table, kept: int) -> None:
+        """Take in a read unit (``whole``: all its rows; ``kept``: those of its slice): the estimate's
+        error goes to ``unaccounted``."""
         if unit.rows is None:
-            self.unaccounted += table.num_rows - self.estimates.pop(unit.key, table.num_rows)
-            if unit.nbytes > 0:  # of the whole unit: a slice holds about 1/parts of its rows
-                whole = table.num_rows * (self.slicer.parts if unit.part is not None else 1)
-                self.rows_per_byte = whole / unit.nbytes
+            self.unaccounted += kept - self.estimates.pop(unit.key, kept)
+            if unit.nbytes > 0:
+                self.rows_per_byte = whole.num_rows / unit.nbytes

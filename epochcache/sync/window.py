@@ -70,5 +70,4 @@ class FetchWindow:
             self.claims.release(unit.key)
             self.skips.skip(stream, after.cursors[stream.name].pass_, unit.key, unit.obj, unit.index, exc)
             return stream, unit, after, None
-        self.intake.take(stream, unit, table)
-        return stream, unit, after, table
+        return stream, unit, after, self.intake.take(stream, unit, table)
