@@ -89,7 +89,9 @@ def write_config(folder: Path, remote: Path, remote_bytes: int) -> Path:
     return path
 
 
-def run_demo(folder: Path, epochs: int = 12, samples: int = 24576, out: TextIO = sys.stdout) -> list[dict[str, float]]:
+def run_demo(
+    folder: Path, epochs: int = 12, samples: int = 24576, out: TextIO = sys.stdout
+) -> list[dict[str, float | None]]:
     """Run the demo in ``folder``; return the per-epoch rows it printed."""
     folder.mkdir(parents=True, exist_ok=True)
     print(f"generating the demo remote ({samples} samples) in {folder / 'remote'} (once) ...", file=out, flush=True)
@@ -117,7 +119,7 @@ def run_demo(folder: Path, epochs: int = 12, samples: int = 24576, out: TextIO =
     return rows
 
 
-def _train(torch: ModuleType, config_path: Path, epochs: int, out: TextIO) -> list[dict[str, float]]:
+def _train(torch: ModuleType, config_path: Path, epochs: int, out: TextIO) -> list[dict[str, float | None]]:
     from torch import nn
 
     from epochcache.loader import EpochCachedLoader
@@ -132,7 +134,7 @@ def _train(torch: ModuleType, config_path: Path, epochs: int, out: TextIO) -> li
     config = load_config(config_path)
     ledger = Ledger(CacheLayout.create(config.cache.dir).ledger)
     header = (f"{'epoch':>5} {'shards':>6} {'samples':>8} {'cache bytes / budget':>24} {'evicted':>7} "
-              f"{'samples/s':>10} {'first-batch wait':>16} {'loss':>6} {'acc':>6}")
+              f"{'coverage':>8} {'echo':>5} {'samples/s':>10} {'first-batch wait':>16} {'loss':>6} {'acc':>6}")
     print(header, file=out, flush=True)
     rows = []
     with EpochCachedLoader.from_config(config_path) as loader:
@@ -158,15 +160,20 @@ def _train(torch: ModuleType, config_path: Path, epochs: int, out: TextIO) -> li
             budget_bytes = int(config.cache.max_bytes)
             cache_bytes = ledger.usage().total
             evicted = ledger.counters().get("evicted", 0)
-            row = {"epoch": info.epoch, "shards": info.shards, "samples": seen, "cache_bytes": cache_bytes,
-                   "budget": budget_bytes, "evicted": evicted, "samples_per_s": seen / elapsed,
-                   "first_batch_wait_s": info.first_batch_wait_s or 0.0,
-                   "loss": loss_sum / max(seen, 1), "accuracy": correct / max(seen, 1)}
+            row: dict[str, float | None] = {
+                "epoch": info.epoch, "shards": info.shards, "samples": seen, "cache_bytes": cache_bytes,
+                "budget": budget_bytes, "evicted": evicted, "samples_per_s": seen / elapsed,
+                "first_batch_wait_s": info.first_batch_wait_s or 0.0,
+                "loss": loss_sum / max(seen, 1), "accuracy": correct / max(seen, 1),
+                "coverage": info.coverage, "echo": info.echo,
+            }
             rows.append(row)
             budget = f"{human_bytes(cache_bytes)} / {human_bytes(budget_bytes)}"
-            print(f"{row['epoch']:>5} {row['shards']:>6} {seen:>8} {budget:>24} {evicted:>7} "
-                  f"{row['samples_per_s']:>10.0f} {row['first_batch_wait_s'] * 1000:>14.1f}ms "
-                  f"{row['loss']:>6.3f} {row['accuracy']:>6.3f}",
+            coverage = "-" if info.coverage is None else f"{info.coverage:.1%}"
+            echo = "-" if info.echo is None else f"{info.echo:.2f}"
+            print(f"{info.epoch:>5} {info.shards:>6} {seen:>8} {budget:>24} {evicted:>7} {coverage:>8} {echo:>5} "
+                  f"{seen / elapsed:>10.0f} {(info.first_batch_wait_s or 0.0) * 1000:>14.1f}ms "
+                  f"{loss_sum / max(seen, 1):>6.3f} {correct / max(seen, 1):>6.3f}",
                   file=out, flush=True)
     ledger.close()
     return rows

@@ -72,6 +72,7 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     rows = [line.split() for line in lines[header + 1 : header + 4]]
     assert [row[0] for row in rows] == ["0", "1", "2"]
     assert all(int(row[1]) > 0 and int(row[2]) > 0 for row in rows)
+    assert lines[header].split()[8:10] == ["coverage", "echo"] and float(rows[-1][8]) >= 1.0, "echo per epoch"
     assert "sync daemon stopped cleanly" in result.stdout
     assert (tmp_path / "demo" / "remote" / "_COMPLETE.json").exists()
 
