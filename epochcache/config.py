@@ -21,7 +21,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -162,11 +162,15 @@ class SamplerConfig(_Section):
     max_bytes_per_s: ByteSize | None = Field(
         default=None, gt=0, description="cap on the daemon's intake (decoded Arrow bytes/s); null = none"
     )
-    mix_units: int = Field(default=8, ge=1, le=1024, description="objects whose units are interleaved")
-    row_fraction: float = Field(
-        default=1.0, gt=0.0, le=1.0,
+    mix_units: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = Field(
+        default=8,
+        description="objects whose units are interleaved; auto: as many as the cache holds (at most 1024)",
+    )
+    row_fraction: Annotated[float, Field(gt=0.0, le=1.0)] | Literal["auto"] = Field(
+        default=1.0,
         description="keep a seeded 1/ceil(1/f) of each unit's rows per pass (each row once over that many "
-        "passes): the cache spans that many times more units, for that many times the remote reads",
+        "passes): the cache spans that many times more units, for that many times the remote reads; auto: "
+        "from the listed size and the budget, so that the cache spans the remote (at most 1/64)",
     )
     node_rank: int | None = Field(default=None, ge=0, description="this node's rank; null = GROUP_RANK or 0")
     num_nodes: int | None = Field(

@@ -62,7 +62,6 @@ from epochcache.sync.intake import Intake, Throttle
 from epochcache.sync.notes import note, until_written
 from epochcache.sync.report import StopReason, SyncReport
 from epochcache.sync.skips import SkipBook
-from epochcache.sync.slicing import Slicer, parts_of
 from epochcache.sync.stream import Stream
 from epochcache.sync.vitals import Vitals, settings_of
 from epochcache.sync.walk import Walk
@@ -115,8 +114,7 @@ class SyncDaemon:
                     return SyncReport()  # stopped before it began
                 timeout = self.config.sampler.request_timeout_s
                 largest = int(self.config.sampler.max_sample_bytes)
-                slicer = Slicer(parts_of(self.config.sampler.row_fraction), self.config.sampler.seed)
-                streams = [Stream(cfg, open_source(cfg, timeout, largest), slicer) for cfg in self.config.sources]
+                streams = [Stream(cfg, open_source(cfg, timeout, largest)) for cfg in self.config.sources]
                 return _Run(self, ledger, streams, stop, once).execute()
             finally:
                 ledger.close()
@@ -274,7 +272,7 @@ class _Run:
         for stream in self.streams:
             cursor, prefix = position.cursors[stream.name], f"{stream.name}." if stream.name else ""
             total = stream.totals.get(cursor.pass_)
-            done = cursor.group * self.cfg.sampler.mix_units
+            done = cursor.group * stream.mix
             progress |= {f"{prefix}pass": cursor.pass_,
                          f"{prefix}remote_rows": stream.remote_rows(cursor.pass_),
                          f"{prefix}units_done": self.units_done[stream.name],

@@ -8,15 +8,18 @@ from pathlib import Path
 import fsspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import write_parquet_dataset
+from pydantic import ValidationError
 
 from epochcache import Ledger, SyncDaemon
-from epochcache.config import Config
+from epochcache.config import Config, SamplerConfig
+from epochcache.daemon import StopReason
 from epochcache.layout import CacheLayout
 from epochcache.shards import open_shard
 from epochcache.sources import RemoteObject, Unit
-from epochcache.sync.slicing import Slicer, parts_of
+from epochcache.sync.slicing import MAX_AUTO_PARTS, PassShape, Slicer, parts_of, pass_shape
 
 
 @pytest.mark.parametrize(("fraction", "parts"), [(1.0, 1), (0.5, 2), (0.3, 4), (0.25, 4), (0.01, 100)])
@@ -63,3 +66,39 @@ def test_each_pass_caches_one_slice_and_the_passes_together_every_row_once(
     SyncDaemon(config, progress=False).run(once=True)  # the next pass: the other slice
     ids = _cached_ids(config)
     assert sorted(ids) == list(range(1024)), "every row once over two passes"
+
+
+def _sampler(**values: object) -> SamplerConfig:
+    return SamplerConfig.model_validate(values)
+
+
+def test_auto_shapes_the_pass_so_that_a_full_cache_spans_the_remote() -> None:
+    # 200 objects of 1 MB for a 25 MB budget: 8 slices (a full cache holds a slice of every unit's
+    # rows), and a window of as many objects as a cache of slices holds: 8 * 25 = 200.
+    auto = _sampler(row_fraction="auto", mix_units="auto")
+    assert pass_shape(auto, 25_000_000, 200_000_000, 200) == PassShape(parts=8, mix=200)
+    assert pass_shape(auto, 400_000_000, 200_000_000, 200) == PassShape(parts=1, mix=200), "it all fits"
+    assert pass_shape(auto, 1_000, 10**12, 5000).parts == MAX_AUTO_PARTS
+    assert pass_shape(auto, 25_000_000, None, 200) == PassShape(parts=1, mix=8), "a listing without its size"
+    fixed = _sampler(row_fraction=0.5, mix_units=3)
+    assert pass_shape(fixed, 25_000_000, 200_000_000, 200) == PassShape(parts=2, mix=3)
+    with pytest.raises(ValidationError):
+        _sampler(row_fraction="half")
+
+
+def test_auto_slices_a_remote_larger_than_the_budget(tmp_path: Path, make_config: Callable[..., Config]) -> None:
+    root = tmp_path / "remote"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    for number in range(4):  # 8 MB of incompressible rows: stored size = cached size
+        ids = np.arange(number * 32, (number + 1) * 32)
+        payload = pa.array([rng.bytes(64 * 1024) for _ in ids], pa.binary())
+        pq.write_table(pa.table({"id": ids, "payload": payload}), root / f"part-{number}.parquet", row_group_size=16)
+    config = make_config(str(root), **{"cache.max_bytes": "7MB", "cache.shard_bytes": "256KB",
+                                       "sampler.row_fraction": "auto", "sampler.mix_units": "auto"})
+    report = SyncDaemon(config, progress=False).run(once=True)
+    ids = _cached_ids(config)
+    assert len(ids) == len(set(ids)) and 0.35 * 128 < len(ids) < 0.65 * 128, "1/2 of each unit's rows"
+    # Half of each 16-row group (none is empty but with odds of 2**-16), where whole groups fill it at 6.
+    assert len({i // 16 for i in ids}) == 8, "a slice of every row group"
+    assert report.reason is StopReason.EXHAUSTED, "the pass's slices fit in the budget"

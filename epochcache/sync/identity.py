@@ -37,7 +37,7 @@ def stream_order(config: Config, stream: Stream) -> list[object]:
     order: list[object] = ["v2", source.url, source.format, source.columns, source.labels, sampler.seed,
                            sampler.mix_units, rank, nodes]
     # Only a fraction below 1 joins, so the order of a cache from before the key stays the same.
-    return order + [sampler.row_fraction] if sampler.row_fraction < 1 else order
+    return order + [sampler.row_fraction] if sampler.row_fraction != 1 else order
 
 
 def resume_position(config: Config, ledger: Ledger, streams: Sequence[Stream]) -> MixCursor:

@@ -1,5 +1,6 @@
-"""Row slices of units (``sampler.row_fraction``): a cache of whole row groups from a sorted remote
-spans few of them; a slice of each spans more.
+"""The shape of a pass: row slices of units (``sampler.row_fraction``) and the mixing window
+(``sampler.mix_units``). A cache of whole row groups from a sorted remote spans few of them; a slice
+of each spans more, and a window of as many objects as the cache holds mixes them all.
 
 With a fraction f < 1, every row of a unit is drawn into one of ``parts`` = ceil(1/f) slices by a
 generator seeded by ``(sampler.seed, the unit's key)``, so the draw is the same in every pass, run
@@ -20,12 +21,46 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
+from epochcache.config import SamplerConfig
 from epochcache.sources import Unit
+
+# row_fraction auto never reads the remote more than this many times per byte cached.
+MAX_AUTO_PARTS = 64
 
 
 def parts_of(row_fraction: float) -> int:
     """Slices per unit for a ``row_fraction`` in (0, 1] (1: no slicing)."""
     return max(1, math.ceil(1 / row_fraction - 1e-9))
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """How one pass of one source is walked: ``parts`` row slices per unit, ``mix`` objects per window."""
+
+    parts: int
+    mix: int
+
+
+def pass_shape(sampler: SamplerConfig, budget: int, listed_bytes: int | None, objects: int) -> PassShape:
+    """The pass's shape from the settings; ``auto`` ones from ``budget`` (this source's share of
+    ``cache.max_bytes``) and the pass's listing (``listed_bytes`` and ``objects``: this node's share).
+
+    ``row_fraction: auto``: as many slices as the stored size is times the budget (at most
+    :data:`MAX_AUTO_PARTS`), so that a full cache holds a slice of every unit. ``mix_units: auto``: as
+    many objects as a full cache holds slices of, so one window mixes the whole cache. Both are
+    functions of the stored listing alone, so a restart mid-pass finds the same shape. A listing
+    stored without its size (an older version's) gets 1 slice and 8 objects.
+    """
+    size = listed_bytes if listed_bytes and objects > 0 else None
+    if sampler.row_fraction != "auto":
+        parts = parts_of(sampler.row_fraction)
+    else:
+        parts = 1 if size is None else min(MAX_AUTO_PARTS, max(1, math.ceil(size / budget)))
+    if sampler.mix_units != "auto":
+        mix = sampler.mix_units
+    else:
+        mix = 8 if size is None else min(1024, objects, max(1, math.ceil(parts * budget * objects / size)))
+    return PassShape(parts, mix)
 
 
 @dataclass(frozen=True)

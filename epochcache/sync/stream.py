@@ -27,7 +27,8 @@ class Stream:
 
     config: SourceConfig
     source: Source
-    slicer: Slicer = field(default_factory=Slicer)
+    slicer: Slicer = field(default_factory=Slicer)  # this pass's row slices
+    mix: int = 8  # this pass's objects per mixing window
     totals: dict[int, int] = field(default_factory=dict)
     rows_per_byte: float | None = None
     estimates: dict[str, int] = field(default_factory=dict)

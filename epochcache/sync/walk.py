@@ -27,6 +27,7 @@ from epochcache.sync.claims import Claims
 from epochcache.sync.identity import stream_order
 from epochcache.sync.notes import until_written
 from epochcache.sync.skips import SKIPPABLE, SkipBook
+from epochcache.sync.slicing import Slicer, pass_shape
 from epochcache.sync.stream import Stream
 from epochcache.sync.vitals import Vitals
 
@@ -92,12 +93,14 @@ class Walk:
             if objects is None:
                 return
             pass_ = cursor.pass_
+            node_objects = len(range(rank, len(objects), nodes))
+            stream.node_bytes = None if objects.nbytes is None else objects.nbytes // nodes
+            self._shape(stream, pass_, node_objects)
             sampler = Sampler(functools.partial(self._units_of, stream, pass_), objects, sampler_config.seed,
-                              mix=sampler_config.mix_units, node_rank=rank, num_nodes=nodes)
+                              mix=stream.mix, node_rank=rank, num_nodes=nodes)
             # The pass before stays known: its last units are still consumed while this one is walked.
             stream.totals = {p: n for p, n in stream.totals.items() if p == pass_ - 1}
             stream.totals[pass_] = len(sampler.node_objects(pass_))
-            stream.node_bytes = None if objects.nbytes is None else objects.nbytes // nodes
             fetching = False
             for unit, after in sampler.walk(cursor):
                 fetching = fetching or not self.claims.taken(unit.key)
@@ -108,6 +111,18 @@ class Walk:
                 return
             if not fetching:
                 stream.idle_until = time.monotonic() + IDLE_POLL_S
+
+    def _shape(self, stream: Stream, pass_: int, objects: int) -> None:
+        """Set the pass's row slices and mixing window (:func:`pass_shape`), saying what ``auto`` chose."""
+        sampler = self.config.sampler
+        weights = sum(source.weight for source in self.config.sources)
+        budget = max(1, int(int(self.config.cache.max_bytes) * stream.config.weight / weights))
+        shape = pass_shape(sampler, budget, stream.node_bytes, objects)
+        stream.slicer, stream.mix = Slicer(shape.parts, sampler.seed), shape.mix
+        if "auto" in (sampler.row_fraction, sampler.mix_units):
+            log.info("source %r, pass %d: %d objects, %s listed for a budget of %d bytes: row_fraction 1/%d, "
+                     "mix_units %d", stream.name or stream.config.url, pass_, objects, stream.node_bytes, budget,
+                     shape.parts, shape.mix)
 
     def _units_of(self, stream: Stream, pass_: int, objects: Sequence[RemoteObject]) -> list[Sequence[Unit]]:
         """The units of ``objects``, their metadata read concurrently. An object whose metadata keeps
