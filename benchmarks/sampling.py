@@ -9,7 +9,8 @@ run together on a fresh cache of ``--budget`` of the remote's cached bytes for `
 Per setting it prints: distinct labels per batch (and the i.i.d. expectation for batches drawn from
 the whole remote), the correlation of consecutive batches' label histograms (0 for i.i.d. batches),
 coverage and echo after the last epoch (``epochcache.coverage``), and remote bytes read (decoded, as
-the daemon counts them) per byte trained. Settings are ``--settings``, each ``name:key=value,...`` of
+the daemon counts them) per byte trained, and the bytes each epoch trained on as a share of the
+budget (epochs after the first). Settings are ``--settings``, each ``name:key=value,...`` of
 ``--set`` overrides. Writes ``benchmarks/results/sampling.json``.
 
     python benchmarks/sampling.py [--epochs 8] [--budget 0.25] [--settings "default:;mix32:sampler.mix_units=32"]
@@ -58,7 +59,7 @@ def main() -> None:
         print(f"remote: {rows} rows, {args.classes} classes stored sorted, {remote_bytes / 1e6:.1f} MB cached size; "
               f"budget {args.budget:.0%}; {args.epochs} epochs; i.i.d. batches hold {iid:.1f} distinct labels")
         print(f"{'setting':>10} {'labels/batch':>13} {'vs iid':>7} {'corr':>6} {'coverage':>9} {'echo':>6} "
-              f"{'read/trained':>13}")
+              f"{'read/trained':>13} {'epoch/budget':>13}")
         results = []
         for setting in args.settings.split(";"):
             name, _, pairs = setting.partition(":")
@@ -68,7 +69,7 @@ def main() -> None:
             results.append(result)
             print(f"{name:>10} {result['labels_per_batch']:>13.1f} {result['labels_per_batch'] / iid:>7.2f} "
                   f"{result['correlation']:>+6.2f} {result['coverage'] or 0:>9.1%} {result['echo'] or 0:>6.2f} "
-                  f"{result['read_per_trained']:>13.2f}")
+                  f"{result['read_per_trained']:>13.2f} {result['epoch_bytes_per_budget'] or 0:>13.0%}")
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"rows": rows, "budget": args.budget, "epochs": args.epochs,
                                    "results": results}, indent=2) + "\n")
@@ -104,7 +105,7 @@ def run(remote: str, cache: Path, budget: int, overrides: dict[str, str], args: 
     stop = threading.Event()  # the daemon runs beside the loader in this process, as in the demo
     thread = threading.Thread(target=daemon.run, kwargs={"stop": stop}, daemon=True)
     thread.start()
-    distinct, correlations, trained_bytes = [], [], 0
+    distinct, correlations, trained_bytes, epoch_bytes = [], [], 0, []
     started = time.perf_counter()
     try:
         with EpochCachedLoader(cache, batch_size=BATCH, columns=["label", "payload"], min_samples=budget // (
@@ -119,6 +120,8 @@ def run(remote: str, cache: Path, budget: int, overrides: dict[str, str], args: 
                         correlations.append(float(np.corrcoef(previous, histogram)[0, 1]))
                     previous = histogram
                     trained_bytes += len(labels) * (args.payload + 4)
+                if loader.last_epoch is not None:
+                    epoch_bytes.append(loader.last_epoch.bytes)
     finally:
         stop.set()
         thread.join(60)
@@ -132,6 +135,9 @@ def run(remote: str, cache: Path, budget: int, overrides: dict[str, str], args: 
         "labels_per_batch": float(np.mean(distinct)), "correlation": float(np.mean(correlations)),
         "coverage": None if covered is None else covered.coverage, "echo": None if covered is None else covered.echo,
         "read_per_trained": fetched / trained_bytes, "seconds": time.perf_counter() - started,
+        # the bytes each epoch trained on, as a share of the budget: epochs after the first (which
+        # waits for only half a budget: min_samples)
+        "epoch_bytes_per_budget": float(np.mean(epoch_bytes[1:]) / budget) if len(epoch_bytes) > 1 else None,
     }
 
 
