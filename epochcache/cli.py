@@ -131,6 +131,12 @@ def _parser() -> argparse.ArgumentParser:
     clear.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     clear.set_defaults(func=_clear)
 
+    plot = command("plot", "draw the cache's life over its epochs (cache bytes vs budget, samples per epoch, "
+                           "coverage and echo, remote read rate) into an image; needs epochcache[plot]")
+    _add_config_args(plot)
+    plot.add_argument("--out", type=Path, default=Path("cache.png"), help="image file (default: %(default)s)")
+    plot.set_defaults(func=_plot)
+
     demo = command("demo", "generate a local dataset, sync it and train on it")
     demo.add_argument("--dir", type=Path, default=Path("epochcache-demo"),
                       help="demo folder (default: %(default)s)")
@@ -235,6 +241,14 @@ def _clear(args: argparse.Namespace) -> int:
     done = clear_cache(config)
     print(f"clear: {done['shards']} shards and {done['quarantined']} quarantined shards deleted "
           f"({done['bytes']} bytes), ledger emptied: {root}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from epochcache.plot import plot_cache
+
+    drawn = plot_cache(load_config(args.config, args.overrides), args.out)
+    print(f"plot: {drawn} epochs drawn into {args.out}")
     return 0
 
 

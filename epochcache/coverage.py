@@ -2,7 +2,7 @@
 times over.
 
 In: the ledger's epoch records (:meth:`Ledger.epochs`: samples trained and distinct samples trained,
-kept by every snapshot) and the daemon's estimate of the remote's rows (``remote_rows`` in the
+kept by every snapshot, with the daemon's estimate of the remote's rows then: ``remote_rows`` in the
 progress published with its cursor). Out: :class:`Coverage`, for ``epochcache status`` and
 ``EpochCachedLoader.last_epoch``. ``coverage`` = distinct samples trained / samples in this node's
 share of the remote; ``echo`` = samples trained / distinct samples trained (1.0: no sample seen
@@ -13,6 +13,7 @@ unit, and the remote's rows are an estimate until every footer was read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from epochcache.ledger import Ledger
 
@@ -44,9 +45,10 @@ def coverage_of(ledger: Ledger) -> Coverage | None:
     last = ledger.epochs(1)
     if not last:
         return None
-    epoch = last[0]
-    progress = (ledger.cursor() or {}).get("progress") or {}
-    estimates = [value for key, value in progress.items() if key.endswith("remote_rows")]
-    remote = sum(estimates) if estimates and all(isinstance(value, int) for value in estimates) else None
+    return of_epoch(last[0])
+
+
+def of_epoch(epoch: dict[str, Any]) -> Coverage:
+    """The coverage an epoch record (:meth:`Ledger.epochs`) states."""
     return Coverage(epochs=epoch["n"], trained=epoch["trained"], distinct=epoch["distinct_trained"],
-                    remote=remote, fetched_bytes=epoch["fetched_bytes"])
+                    remote=epoch["remote_rows"], fetched_bytes=epoch["fetched_bytes"])

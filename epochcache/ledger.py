@@ -369,7 +369,7 @@ class Ledger:
 
     # -- leases ---------------------------------------------------------------------------------
 
-    def snapshot(self, owner: str, ttl_s: float, holder: Owner | None = None, samples: int | None = None) -> Lease:
+    def snapshot(self, owner: str, ttl_s: float, holder: Owner | None = None) -> Lease:
         """Take the current shard set (less retiring shards) and a lease on exactly it, atomically.
 
         The same transaction counts one use of each shard in the set and stamps its ``last_used``
@@ -377,10 +377,6 @@ class Ledger:
         counts from before this use. ``holder``: the process the lease lives with (default: this
         one); ``ttl_s`` bounds it only where that process's liveness cannot be checked (another host).
         The lease's records carry no unit keys (``units`` is empty).
-
-        The same transaction records the epoch for coverage and echo (:meth:`epochs`): ``samples`` it
-        will train (default: every sample of the set once), and the units of shards no epoch held
-        before, whose unit keys (hashed) join ``trained``: the cost is that of the new shards alone.
         """
         lease_id = uuid.uuid4().hex
         now = time.time()
@@ -391,22 +387,46 @@ class Ledger:
             upto = max((row[0] for row in rows), default=0)
             con.execute("INSERT INTO lease_excluded SELECT ?, n FROM shards WHERE state <> 0 AND n <= ?",
                         (lease_id, upto))
-            if rows:  # a loader polling an empty cache takes no epoch
-                _record_epoch(con, owner, now, sum(row[4] for row in rows) if samples is None else samples)
             con.execute("UPDATE shards SET uses = uses + 1, last_used = ?, recency = ? WHERE state = 0", (now, now))
             con.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (lease_id, owner, holder.host, holder.pid, holder.started, now + ttl_s, now, upto, len(rows)))
         return Lease(id=lease_id, owner=owner, shards=tuple(_record(r) for r in rows), expires=now + ttl_s)
 
+    def record_epoch(self, lease_id: str, samples: int) -> None:
+        """Record that the epoch holding ``lease_id`` runs, training ``samples`` samples (once per node,
+        for coverage and echo: :meth:`epochs`). The units of its shards that no epoch trained on
+        before join ``trained_units`` (a walk of the untrained shards alone: the cost of the new
+        shards, not of the cache); their rows count as distinct where no earlier shard held the unit.
+        A lease that ended records nothing."""
+        now = time.time()
+        with self._write() as con:
+            lease = con.execute("SELECT upto FROM leases WHERE id = ?", (lease_id,)).fetchone()
+            if lease is None:
+                return
+            fresh = con.execute(
+                "SELECT n, units, rows FROM shards INDEXED BY shards_untrained WHERE trained = 0 AND n <= ? "
+                "AND n NOT IN (SELECT shard FROM lease_excluded WHERE lease = ?)", (lease[0], lease_id)).fetchall()
+            distinct_new = 0.0
+            for _, units_json, rows in fresh:
+                units = json.loads(units_json)
+                before = con.total_changes
+                con.executemany("INSERT OR IGNORE INTO trained_units VALUES (?)", ((_unit_hash(u),) for u in units))
+                if units:
+                    distinct_new += rows * (con.total_changes - before) / len(units)
+            con.executemany("UPDATE shards SET trained = 1 WHERE n = ?", ((n,) for n, _, _ in fresh))
+            _add_epoch(con, lease_id, now, samples, distinct_new)
+
     def epochs(self, last: int = 1) -> list[dict[str, Any]]:
-        """The ``last`` epochs' records, oldest first: ``n`` (1 for the cache's first), ``at``, ``owner``,
+        """The ``last`` epochs' records, oldest first: ``n`` (1 for the cache's first), ``at``, ``lease``,
         ``samples`` (that epoch),
         ``trained`` and ``distinct_trained`` (samples, every epoch so far; distinct at unit level,
-        a unit's rows counted as its shard's rows per unit), ``fetched_bytes`` (so far)."""
+        a unit's rows counted as its shard's rows per unit), ``fetched_bytes`` (so far), ``cache_bytes``
+        (the shards') and ``remote_rows`` (the daemon's estimate then; None while unknown)."""
         with self._read() as con:
-            rows = con.execute("SELECT n, at, owner, samples, trained, distinct_trained, fetched_bytes FROM epochs "
-                               "ORDER BY n DESC LIMIT ?", (last,)).fetchall()
-        keys = ("n", "at", "owner", "samples", "trained", "distinct_trained", "fetched_bytes")
+            rows = con.execute("SELECT n, at, lease, samples, trained, distinct_trained, fetched_bytes, cache_bytes, "
+                               "remote_rows FROM epochs ORDER BY n DESC LIMIT ?", (last,)).fetchall()
+        keys = ("n", "at", "lease", "samples", "trained", "distinct_trained", "fetched_bytes", "cache_bytes",
+                "remote_rows")
         return [dict(zip(keys, row)) for row in reversed(rows)]
 
     def renew(self, lease_id: str, ttl_s: float) -> bool:
@@ -607,22 +627,18 @@ def _choose(con: sqlite3.Connection, choose: Chooser, short: int) -> list[ShardR
     return picked
 
 
-def _record_epoch(con: sqlite3.Connection, owner: str, now: float, samples: int) -> None:
-    """Add an epoch of ``samples`` to the coverage record; the units of shards no epoch held yet (live,
-    ``uses`` 0: one walk of the uses index) join ``trained``, their rows counting as distinct where
-    no earlier shard held the unit."""
-    fresh = 0.0
-    for units_json, rows in con.execute("SELECT units, rows FROM shards WHERE state = 0 AND uses = 0").fetchall():
-        units = json.loads(units_json)
-        before = con.total_changes
-        con.executemany("INSERT OR IGNORE INTO trained VALUES (?)", ((_unit_hash(unit),) for unit in units))
-        if units:
-            fresh += rows * (con.total_changes - before) / len(units)
+def _add_epoch(con: sqlite3.Connection, lease_id: str, now: float, samples: int, distinct_new: float) -> None:
+    """Append an epoch row: the running totals go on from the last row."""
     trained, distinct = con.execute(
         "SELECT trained, distinct_trained FROM epochs ORDER BY n DESC LIMIT 1").fetchone() or (0, 0.0)
     fetched = con.execute("SELECT coalesce(max(value), 0) FROM counters WHERE name = 'fetched_bytes'").fetchone()[0]
-    con.execute("INSERT INTO epochs (at, owner, samples, trained, distinct_trained, fetched_bytes) "
-                "VALUES (?, ?, ?, ?, ?, ?)", (now, owner, samples, trained + samples, distinct + fresh, fetched))
+    cache_bytes = con.execute("SELECT sum(bytes) FROM totals").fetchone()[0]
+    progress = (_kv(con, "cursor") or {}).get("progress") or {}
+    estimates = [value for key, value in progress.items() if key.endswith("remote_rows")]
+    remote = sum(estimates) if estimates and all(isinstance(value, int) for value in estimates) else None
+    con.execute("INSERT INTO epochs (at, lease, samples, trained, distinct_trained, fetched_bytes, cache_bytes, "
+                "remote_rows) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (now, lease_id, samples, trained + samples, distinct + distinct_new, fetched, cache_bytes, remote))
 
 
 def _unleased_retiring(con: sqlite3.Connection) -> list[ShardRecord]:

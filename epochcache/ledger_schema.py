@@ -12,12 +12,14 @@ processes that open the cache):
   those listed as excluded (retiring when it was taken); row numbers are never reused.
 - ``quarantine``, ``skipped``, ``listing_pages``, ``counters``, ``kv`` (cursor, daemon state,
   identity, listings' headers, the reservation, as JSON).
-- ``trained``: the hash of every unit an epoch has held (its shard's first snapshot adds its units),
-  and ``epochs``: one row per snapshot (samples, samples trained so far, distinct samples trained so
-  far, bytes fetched so far), for coverage and echo.
+- ``trained_units``: the hash of every unit an epoch has trained on (``shards.trained`` marks the
+  shards whose units are in, so an epoch adds only those of shards no epoch trained on before), and
+  ``epochs``: one row per epoch run (its lease, samples, samples trained so far, distinct samples
+  trained so far, bytes fetched so far, the shards' bytes, the daemon's estimate of the remote's
+  rows), for coverage, echo and ``epochcache plot``.
 
-Versions: 1 lacked ``trained`` and ``epochs``; every statement here is ``IF NOT EXISTS``, so a
-version-1 ledger is brought to this version by running them.
+Versions: 1 lacked ``shards.trained``, ``trained_units`` and ``epochs``; the column is added, then
+every statement here is ``IF NOT EXISTS``, so running them brings a version-1 ledger to this one.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ CREATE TABLE IF NOT EXISTS shards(
     recency REAL NOT NULL,
     state INTEGER NOT NULL DEFAULT 0,
     schema TEXT NOT NULL DEFAULT '',
-    verified INTEGER NOT NULL DEFAULT 0
+    verified INTEGER NOT NULL DEFAULT 0,
+    trained INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS shards_age ON shards(state, created, id);
 CREATE INDEX IF NOT EXISTS shards_recency ON shards(state, recency, created);
@@ -91,10 +94,11 @@ CREATE TABLE IF NOT EXISTS listing_pages(stream TEXT NOT NULL, number INTEGER NO
                            PRIMARY KEY(stream, number)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS counters(name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS kv(key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS trained(h INTEGER PRIMARY KEY) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS epochs(n INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, owner TEXT NOT NULL,
+CREATE INDEX IF NOT EXISTS shards_untrained ON shards(n) WHERE trained = 0;
+CREATE TABLE IF NOT EXISTS trained_units(h INTEGER PRIMARY KEY) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS epochs(n INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, lease TEXT NOT NULL,
                     samples INTEGER NOT NULL, trained REAL NOT NULL, distinct_trained REAL NOT NULL,
-                    fetched_bytes INTEGER NOT NULL);
+                    fetched_bytes INTEGER NOT NULL, cache_bytes INTEGER NOT NULL, remote_rows INTEGER);
 """
 
 
@@ -133,6 +137,8 @@ def _open(path: Path, factory: Connect) -> sqlite3.Connection:
         version = con.execute("PRAGMA user_version").fetchone()[0]
         if version < VERSION:
             # Every statement is idempotent, so processes creating (or upgrading) the schema together agree.
+            if version == 1:
+                _add_trained_column(con)
             con.executescript(f"BEGIN IMMEDIATE;{_DDL}PRAGMA user_version={VERSION};COMMIT;")
         elif version != VERSION:
             raise LedgerError(
@@ -143,6 +149,19 @@ def _open(path: Path, factory: Connect) -> sqlite3.Connection:
         con.close()
         raise
     return con
+
+
+def _add_trained_column(con: sqlite3.Connection) -> None:
+    """Version 1 -> 2: ``shards.trained`` (the statements of the schema cannot add a column)."""
+    con.execute("BEGIN IMMEDIATE")
+    try:
+        columns = {row[1] for row in con.execute("PRAGMA table_info(shards)")}
+        if "trained" not in columns:  # another process may have added it before we got the lock
+            con.execute("ALTER TABLE shards ADD COLUMN trained INTEGER NOT NULL DEFAULT 0")
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
 
 
 def is_locked(exc: BaseException) -> bool:

@@ -227,7 +227,7 @@ class EpochCachedLoader:
         self._epoch += 1
         resume, self._resume = self._resume, None
         current = self._take_prepared(epoch, resume)
-        info = self._last = current.info
+        info = self._last = self._record(current)
         self._progress = Progress(epoch, info.start_batch, info.batches, current.shards)
         trigger = min(max(info.batches - 1, 0), int(info.batches * self.config.prepare_next_at))
         batches, completed = current.batches(), False
@@ -257,6 +257,18 @@ class EpochCachedLoader:
                 self._retiring = current
             else:
                 self._finish(current)
+
+    def _record(self, current: _Epoch) -> EpochInfo:
+        """Record the epoch about to run in the ledger (local rank 0, for its node: the samples its
+        batches will hand out, a resumed epoch's skipped batches left out); its info with the cache's
+        coverage and echo, this epoch included."""
+        info = current.info
+        if self._peers.local_rank == 0:
+            per_batch = self.config.batch_size * self._peers.local_world
+            samples = min(self.config.epoch_samples or info.samples, (info.batches - info.start_batch) * per_batch)
+            self._ledger.record_epoch(current.lease.id, max(0, samples))
+        covered = coverage_of(self._ledger)
+        return info if covered is None else replace(info, coverage=covered.coverage, echo=covered.echo)
 
     # -- resume ---------------------------------------------------------------------------------
 
@@ -362,9 +374,7 @@ class EpochCachedLoader:
                 self._maps, QuarantineUnreadable(self._layout.root),
             )
             sampler = self._sampler([r.rows for r in records], epoch, resume.position if resume else 0)
-            covered = coverage_of(self._ledger)
             info = EpochInfo(
-                coverage=None if covered is None else covered.coverage, echo=None if covered is None else covered.echo,
                 epoch=epoch, shards=len(records), samples=len(dataset), bytes=sum(r.nbytes for r in records),
                 batches=sampler.count, skipped_shards=len(lease.shards) - len(records), prepared_ahead=ahead,
                 snapshot=snapshot_id([r.id for r in records]), start_batch=min(sampler.start, sampler.count),
@@ -454,8 +464,7 @@ class EpochCachedLoader:
         ``wait_timeout_s``; see :class:`epochcache.waiting.Patience`)."""
         patience = Patience(self._layout, self.config.wait_timeout_s)
         while True:
-            lease = self._ledger.snapshot(f"{self._owner}:epoch{epoch}", self.config.lease_ttl_s,
-                                          samples=self.config.epoch_samples)
+            lease = self._ledger.snapshot(f"{self._owner}:epoch{epoch}", self.config.lease_ttl_s)
             with self._held_lock:
                 self._held.add(lease.id)
             if any(r.rows for r in lease.shards):  # zero-row shards alone would make an epoch of no batches

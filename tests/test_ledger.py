@@ -543,22 +543,33 @@ def test_opening_retries_while_the_database_is_locked(tmp_path: Path, monkeypatc
         Ledger(tmp_path / "ledger", connect=always_locked)
 
 
-def test_each_snapshot_records_an_epoch_with_distinct_samples_at_unit_level(ledger: Ledger) -> None:
+def _epoch(ledger: Ledger, samples: int) -> None:
+    lease = ledger.snapshot("t", ttl_s=60)
+    ledger.record_epoch(lease.id, samples)
+    ledger.release(lease.id)
+
+
+def test_each_epoch_run_is_recorded_with_distinct_samples_at_unit_level(ledger: Ledger) -> None:
     """Coverage and echo (issue 11): a unit cached again in a later shard (after its first shard was
-    evicted) is trained again, but is not a new distinct sample."""
-    assert ledger.snapshot("empty", ttl_s=60).shards == () and ledger.epochs() == [], "no epoch of nothing"
+    evicted) is trained again, but is not a new distinct sample; a snapshot no epoch ran on (prepared
+    ahead, then dropped) records nothing."""
     first = dataclasses.replace(record(1), units=("a#0", "a#1"))  # 100 rows, 2 units
     ledger.publish(first)
     ledger.incr("fetched_bytes", 500)
-    ledger.release(ledger.snapshot("t", ttl_s=60).id)
+    ledger.release(ledger.snapshot("prepared-ahead", ttl_s=60).id)
+    assert ledger.epochs() == []
+    _epoch(ledger, 100)
     ledger.drop(["s1"])
     again = dataclasses.replace(record(2, rows=60), units=("a#1", "b#0", "b#1"))  # a#1 back, 20 rows a unit
     ledger.publish(again)
-    ledger.release(ledger.snapshot("t", ttl_s=60).id)
-    ledger.release(ledger.snapshot("t", ttl_s=60, samples=1000).id)  # a fixed epoch length
+    _epoch(ledger, 60)
+    _epoch(ledger, 1000)  # a fixed epoch length
+    ended = ledger.snapshot("t", ttl_s=60)
+    ledger.release(ended.id)
+    ledger.record_epoch(ended.id, 5)  # its lease ended: no record
     epochs = ledger.epochs(last=5)
     assert [e["n"] for e in epochs] == [1, 2, 3]
     assert [e["samples"] for e in epochs] == [100, 60, 1000]
     assert [e["trained"] for e in epochs] == [100, 160, 1160]
     assert [e["distinct_trained"] for e in epochs] == [100, 140, 140], "a#1 is not distinct twice"
-    assert epochs[0]["fetched_bytes"] == 500 and ledger.epochs()[0]["n"] == 3
+    assert epochs[0]["fetched_bytes"] == 500 and epochs[1]["cache_bytes"] == S and ledger.epochs()[0]["n"] == 3

@@ -66,11 +66,13 @@ def test_a_version_1_ledger_is_upgraded_in_place(layout: CacheLayout) -> None:
     ledger.adopt(records)
     ledger.close()
     con = sqlite3.connect(layout.ledger / DB_NAME)
-    con.executescript("DROP TABLE trained; DROP TABLE epochs; PRAGMA user_version=1;")  # as version 1 wrote it
+    con.executescript("DROP TABLE trained_units; DROP TABLE epochs; DROP INDEX shards_untrained; "
+                      "ALTER TABLE shards DROP COLUMN trained; PRAGMA user_version=1;")  # as version 1 wrote it
     con.close()
     ledger = Ledger(layout.ledger)
     assert ledger.shards() == records and ledger.epochs() == []
-    ledger.release(ledger.snapshot("t", ttl_s=60).id)
+    lease = ledger.snapshot("t", ttl_s=60)
+    ledger.record_epoch(lease.id, 10)
     assert ledger.epochs()[0]["distinct_trained"] == 10
     ledger.close()
 
