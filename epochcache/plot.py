@@ -58,7 +58,7 @@ def _figure(pyplot: Any, epochs: list[dict[str, Any]], budget: int) -> Any:
     cache.axhline(budget / 1e6, color="red", linestyle="--", label="budget")
     cache.set_ylabel("MB")
     cache.legend(loc="lower right")
-    samples.bar(minutes, [e["samples"] for e in epochs], width=max(minutes[-1] / len(epochs) / 2, 1e-3))
+    samples.plot(minutes, [e["samples"] for e in epochs], marker=".", drawstyle="steps-post")
     samples.set_ylabel("samples per epoch")
     covered = [of_epoch(e) for e in epochs]
     coverage.plot(minutes, [100 * (c.coverage or 0) for c in covered], marker=".", color="green")

@@ -221,14 +221,13 @@ def _duration(seconds: float) -> str:
 
 
 def _coverage(coverage: dict[str, Any] | None) -> str:
-    """``12.5% of ~80000 remote samples, echo 2.40 over 7 epochs (100.0MB fetched)``."""
+    """``12.5% of ~80000 remote samples, echo 2.40 over 7 epochs``."""
     if coverage is None:
         return "no epoch yet"
     share = (f"{100 * coverage['coverage']:.1f}% of ~{coverage['remote_samples']} remote samples"
              if coverage["coverage"] is not None else f"{coverage['distinct_trained']} distinct samples")
     echo = f"{coverage['echo']:.2f}" if coverage["echo"] is not None else "-"
-    return (f"{share}, echo {echo} over {coverage['epochs']} epochs "
-            f"({human_bytes(coverage['fetched_bytes'])} fetched)")
+    return f"{share}, echo {echo} over {coverage['epochs']} epochs"
 
 
 def _evictions(counters: dict[str, int]) -> dict[str, int]:
