@@ -147,9 +147,9 @@ class _Run:
         self.had_shards = usage.shards > 0
         self.binding = DatasetBinding(ledger, self.cfg, self.had_shards)
         sampler = self.cfg.sampler
-        self.retrier = Retrier(sampler.max_attempts, sampler.backoff_s, sampler.backoff_max_s,
-                               lambda name: note(ledger.incr, name), stop)
         self.vitals = Vitals(ledger)
+        self.retrier = Retrier(sampler.max_attempts, sampler.backoff_s, sampler.backoff_max_s,
+                               lambda name: note(ledger.incr, name), stop, self.vitals.retrying)
         self.skips = SkipBook(ledger, self.retrier, self.claims, self.report, self.vitals, stop)
         # disable=None: a bar on a terminal, none when output goes to a file or pipe.
         show = daemon._progress

@@ -67,8 +67,7 @@ class Publisher:
         self.evict_to = int(cache.max_bytes * cache.low_watermark)
         self.policy = policy_named(cache.eviction, cache.max_uses, cache.min_uses)
         self.min_uses = cache.min_uses
-        self._state = ""
-        self._say("running")
+        self._state = ""  # the daemon's vitals say "starting" until the first publish says "running"
 
     def publish(self, table: pa.Table, units: Sequence[str], cursor: dict[str, Any] | None) -> Published | None:
         """Write ``table`` (the rows of ``units``) as one shard and publish it with ``cursor``.

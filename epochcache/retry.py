@@ -80,10 +80,13 @@ class Retrier:
         backoff_max_s: float,
         count: Callable[[str], None],
         stop: threading.Event | None = None,
+        on_retry: Callable[[str], None] | None = None,
     ) -> None:
         """``count(name)`` records one event: ``"retries"`` before each new attempt, ``"give_ups"``
-        when a read fails for good. ``stop`` cuts a backoff wait short (the call then gives up)."""
-        self._count = count
+        when a read fails for good. ``stop`` cuts a backoff wait short (the call then gives up).
+        ``on_retry(line)``: each failed attempt that will be tried again, as one line (it may be called
+        from any thread that calls :meth:`call`)."""
+        self._count, self._on_retry = count, on_retry
         self._stop = stop or threading.Event()
         self._retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(is_transient),
@@ -117,6 +120,8 @@ class Retrier:
         exc = state.outcome.exception() if state.outcome else None
         log.debug("attempt %d failed (%s); retrying in %.2fs", state.attempt_number,
                   describe(exc), state.upcoming_sleep)
+        if self._on_retry is not None:
+            self._on_retry(f"attempt {state.attempt_number} failed, retrying: {describe(exc)}")
 
 
 def describe(exc: BaseException | None) -> str:

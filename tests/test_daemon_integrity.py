@@ -11,6 +11,7 @@ import random
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -187,7 +188,9 @@ def test_a_corrupt_object_is_skipped_with_its_reason_and_the_pass_goes_on(
     assert {info["path"] for info in skipped.values()} == {f"{remote}/part-004.parquet"}
     assert all("Corrupt snappy" in info["error"] and info["final"] for info in skipped.values())
     state = _state(ledger)
-    assert state["fetched_bytes"] > 0 and state["last_error"] is None  # reads after the skip worked
+    # The pass-end retry was the run's last read: its failure is the last error (a read that works clears it).
+    assert state["fetched_bytes"] > 0 and state["last_error"].startswith("corrupt object since ")
+    assert "part-004.parquet#" in state["last_error"] and "failed again at the pass end" in state["last_error"]
     ledger.close()
 
 
@@ -289,11 +292,14 @@ def test_vitals_record_settings_fetches_and_an_outage_until_reads_work_again(tmp
     assert state["last_error"].startswith("remote unreachable since ") and state["last_error"].endswith("again")
     assert state["last_error_at"] == 1032.0
     first = _state(ledger)["last_error"].split(" since ")[1][:8]
-    import time
-
     assert first == time.strftime("%H:%M:%S", time.localtime(1002.0))  # the outage's start is kept
     vitals.fetched(10)
     assert _state(ledger)["last_error"] is None and _state(ledger)["fetched_bytes"] == 4010
+    # A failed attempt that will be retried shows at once, before the retries run out.
+    vitals.retrying("attempt 1 failed, retrying: ReadTimeoutError: 127.0.0.1:9")
+    assert _state(ledger)["last_error"].startswith("retrying since ")
+    vitals.fetched(10)
+    assert _state(ledger)["last_error"] is None
     ledger.close()
 
 

@@ -86,6 +86,7 @@ class SkipBook:
                 note(self.ledger.incr, "objects_missing")
             except (FetchFailedError, CorruptObjectError) as exc:
                 log.warning("%s failed again at the end of pass %d: %s", key, pass_, describe(exc))
+                self.vitals.failed(_what(exc), f"{key} failed again at the pass end: {describe(exc)}")
                 self._unread.add(key)
                 note(self.ledger.set_skipped, key, {**info, "final": True, "error": describe(exc)})
                 continue

@@ -11,6 +11,7 @@ again; and the ledger's ``fetched_bytes`` counter (every run's). Writes are at m
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,7 @@ class Vitals:
         self._mark = (0.0, 0)  # (time, fetched_bytes) of the last write
         self._failing_since: float | None = None
         self._fields: dict[str, Any] = {}
+        self._lock = threading.Lock()  # retries are reported from the fetch threads
 
     def start(self, settings: dict[str, Any]) -> None:
         now = self.clock()
@@ -58,28 +60,43 @@ class Vitals:
 
     def fetched(self, nbytes: int) -> None:
         """A read worked: count its bytes; a standing error is over."""
-        self.fetched_bytes += nbytes
-        now = self.clock()
-        if self._failing_since is not None:
-            self._failing_since = None
-            self._fields |= {"last_error": None, "last_error_at": None}
-            self._write(now)
-        elif now - self._mark[0] >= self.interval_s:
-            self._write(now)
+        with self._lock:
+            self.fetched_bytes += nbytes
+            now = self.clock()
+            if self._failing_since is not None:
+                self._failing_since = None
+                self._fields |= {"last_error": None, "last_error_at": None}
+                self._write(now)
+            elif now - self._mark[0] >= self.interval_s:
+                self._write(now)
 
     def failed(self, what: str, line: str) -> None:
         """A read failed for good (after its retries): ``what`` says what failed ("remote unreachable",
         "corrupt object"), ``line`` the error on one line. The outage's start time is kept."""
-        now = self.clock()
+        with self._lock:
+            self._fail(what, line, self.clock(), write=True)
+
+    def retrying(self, line: str) -> None:
+        """A read failed and will be tried again (any thread): shown as the last error at once, so a
+        remote that never answers is visible before the retries run out; written at most once per
+        interval, and cleared by the next read that works."""
+        with self._lock:
+            now = self.clock()
+            self._fail("retrying", line, now, write=now - self._mark[0] >= self.interval_s
+                       or self._fields.get("last_error") is None)
+
+    def _fail(self, what: str, line: str, now: float, write: bool) -> None:
         if self._failing_since is None:
             self._failing_since = now
         since = time.strftime("%H:%M:%S", time.localtime(self._failing_since))
         self._fields |= {"last_error": f"{what} since {since}: {line}", "last_error_at": now}
-        self._write(now)
+        if write:
+            self._write(now)
 
     def flush(self) -> None:
-        """Write the counts now (at the end of a run)."""
-        self._write(self.clock())
+        """Write the counts now (at each shard, and at the end of a run)."""
+        with self._lock:
+            self._write(self.clock())
 
     def _write(self, now: float) -> None:
         then, before = self._mark
