@@ -176,10 +176,10 @@ def _summary(daemon: dict[str, Any], state: dict[str, Any]) -> str:
 
 def _daemon_rows(daemon: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
-    if daemon["last_error"]:
+    if daemon["last_error"]:  # the daemon's line says since when the outage lasts; this, when it last failed
         at = daemon["last_error_at"]
-        when = f"since {datetime.fromtimestamp(at).strftime('%H:%M:%S')}" if isinstance(at, (int, float)) else ""
-        rows.append(("last error", f"{when}{': ' if when else ''}{daemon['last_error']}"))
+        latest = f" (latest {datetime.fromtimestamp(at).strftime('%H:%M:%S')})" if isinstance(at, (int, float)) else ""
+        rows.append(("last error", f"{daemon['last_error']}{latest}"))
     if daemon["fetched_bytes"] is not None:
         rate = daemon["fetch_bytes_per_s"]
         rows.append(("fetched", human_bytes(int(daemon["fetched_bytes"]))

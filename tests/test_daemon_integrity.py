@@ -297,7 +297,7 @@ def test_vitals_record_settings_fetches_and_an_outage_until_reads_work_again(tmp
     assert _state(ledger)["last_error"] is None and _state(ledger)["fetched_bytes"] == 4010
     # A failed attempt that will be retried shows at once, before the retries run out.
     vitals.retrying("attempt 1 failed, retrying: ReadTimeoutError: 127.0.0.1:9")
-    assert _state(ledger)["last_error"].startswith("retrying since ")
+    assert _state(ledger)["last_error"].startswith("reads failing since ")
     vitals.fetched(10)
     assert _state(ledger)["last_error"] is None
     ledger.close()

@@ -83,7 +83,7 @@ def test_status_shows_the_running_daemons_uptime_error_settings_rate_skips_and_s
 
     table = format_status(status)
     at = time.strftime("%H:%M:%S", time.localtime(now - 60))
-    assert f"last error     since {at}: remote unreachable: http://127.0.0.1:9/ (connection refused)" in table
+    assert f"last error     remote unreachable: http://127.0.0.1:9/ (connection refused) (latest {at})" in table
     assert "MB/s since start" in table
     assert next(line for line in table.splitlines() if line.startswith("units unread")).split()[2] == "1"
     assert "cache.max_bytes=20000000" in table and "storage_options" not in table

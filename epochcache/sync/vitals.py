@@ -82,7 +82,7 @@ class Vitals:
         interval, and cleared by the next read that works."""
         with self._lock:
             now = self.clock()
-            self._fail("retrying", line, now, write=now - self._mark[0] >= self.interval_s
+            self._fail("reads failing", line, now, write=now - self._mark[0] >= self.interval_s
                        or self._fields.get("last_error") is None)
 
     def _fail(self, what: str, line: str, now: float, write: bool) -> None:
