@@ -9,7 +9,8 @@ then the connection closes) or ``"delay"`` (the real reply after ``delay_s``). R
 Hostile remotes, on top: with probability ``flip_rate`` a successful object GET (a request with no
 query string: listings are left alone, TLS would guard them) has one random bit of its body flipped
 (counted as ``"flip"``); :meth:`FaultProxy.rewrite_on_get` has an object rewritten upstream just
-before its next GET is forwarded, as a writer racing the reader would (counted as ``"rewrite"``).
+before its next GET is forwarded, as a writer racing the reader would (counted as ``"rewrite"``);
+``ignore_if_match`` drops ``If-Match`` from requests, as a store without conditional reads would.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ class FaultProxy:
     """Runs in its own thread and event loop; ``url`` is what to give s3fs as ``endpoint_url``."""
 
     def __init__(self, upstream: str, rate: float, kinds: Sequence[str] = KINDS, delay_s: float = 3.0,
-                 seed: int = 0, flip_rate: float = 0.0) -> None:
+                 seed: int = 0, flip_rate: float = 0.0, ignore_if_match: bool = False) -> None:
         parsed = urlparse(upstream)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rate, self.kinds, self.delay_s, self.flip_rate = rate, tuple(kinds), delay_s, flip_rate
+        self.ignore_if_match = ignore_if_match
         self._rewrites: dict[str, Callable[[], object]] = {}
         self._random = random.Random(seed)
         self.faults: Counter[str] = Counter()
@@ -103,6 +105,8 @@ class FaultProxy:
         if rewrite is not None:
             self.faults["rewrite"] += 1
             await asyncio.get_running_loop().run_in_executor(None, rewrite)
+        if self.ignore_if_match:
+            head = b"\r\n".join(line for line in head.split(b"\r\n") if not line.lower().startswith(b"if-match:"))
         reply = await self._forward(head, body)
         if is_object_get and self.flip_rate and self._random.random() < self.flip_rate:
             reply = self._flip(reply)

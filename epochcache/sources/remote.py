@@ -70,6 +70,11 @@ def _etag(info: dict[str, Any]) -> str | None:
     return None
 
 
+def _bare(etag: str) -> str:
+    """An ETag as compared: without quotes or a weak ``W/`` mark, in lower case (stores differ in these)."""
+    return etag.removeprefix("W/").strip('"').lower()
+
+
 def _credentials_error(exc: BaseException) -> bool:
     """True for botocore's 'no usable credentials' errors (raised raw, not as OSError, by s3fs)."""
     try:
@@ -237,6 +242,10 @@ class RemoteFiles:
 
     def _s3_read(self, obj: RemoteObject, start: int, end: int, whole: bool) -> bytes:
         data, reply = fsspec.asyn.sync(self.fs.loop, self._s3_get, obj, start, end, whole)
+        # A store that ignores If-Match serves another version without a word: its reply names it.
+        served = reply.get("ETag")
+        if obj.etag and served and _bare(served) != _bare(obj.etag):
+            raise self._changed(obj, f"its ETag went from {obj.etag} to {served}")
         if whole and len(data) == obj.size:
             md5 = _PLAIN_MD5.match(str(reply.get("ETag", "")))
             encrypted = reply.get("ServerSideEncryption") in _ETAG_NOT_MD5 or reply.get("SSECustomerAlgorithm")
