@@ -10,13 +10,17 @@ Hostile remotes, on top: with probability ``flip_rate`` a successful object GET 
 query string: listings are left alone, TLS would guard them) has one random bit of its body flipped
 (counted as ``"flip"``); :meth:`FaultProxy.rewrite_on_get` has an object rewritten upstream just
 before its next GET is forwarded, as a writer racing the reader would (counted as ``"rewrite"``);
-``ignore_if_match`` drops ``If-Match`` from requests, as a store without conditional reads would.
+``ignore_if_match`` drops ``If-Match`` from requests, as a store without conditional reads would;
+``disguise_etags`` gives every object an ETag that looks like an MD5 but is not one (and maps it back
+in ``If-Match``), as some S3-compatible stores do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -27,17 +31,20 @@ _SLOWDOWN = (
     b"<Message>Please reduce your request rate.</Message></Error>"
 )
 KINDS = ("503", "reset", "truncate", "delay")
+_ETAG_HEX = re.compile(rb"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])")
 
 
 class FaultProxy:
     """Runs in its own thread and event loop; ``url`` is what to give s3fs as ``endpoint_url``."""
 
     def __init__(self, upstream: str, rate: float, kinds: Sequence[str] = KINDS, delay_s: float = 3.0,
-                 seed: int = 0, flip_rate: float = 0.0, ignore_if_match: bool = False) -> None:
+                 seed: int = 0, flip_rate: float = 0.0, ignore_if_match: bool = False,
+                 disguise_etags: bool = False) -> None:
         parsed = urlparse(upstream)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rate, self.kinds, self.delay_s, self.flip_rate = rate, tuple(kinds), delay_s, flip_rate
-        self.ignore_if_match = ignore_if_match
+        self.ignore_if_match, self.disguise_etags = ignore_if_match, disguise_etags
+        self._disguised: dict[bytes, bytes] = {}  # disguised ETag hex -> the store's
         self._rewrites: dict[str, Callable[[], object]] = {}
         self._random = random.Random(seed)
         self.faults: Counter[str] = Counter()
@@ -107,7 +114,11 @@ class FaultProxy:
             await asyncio.get_running_loop().run_in_executor(None, rewrite)
         if self.ignore_if_match:
             head = b"\r\n".join(line for line in head.split(b"\r\n") if not line.lower().startswith(b"if-match:"))
+        if self.disguise_etags:
+            head = _ETAG_HEX.sub(lambda m: self._disguised.get(m.group(0), m.group(0)), head)
         reply = await self._forward(head, body)
+        if self.disguise_etags:
+            reply = self._disguise(reply, listing=not is_object_get)
         if is_object_get and self.flip_rate and self._random.random() < self.flip_rate:
             reply = self._flip(reply)
         if fault == "delay":
@@ -119,6 +130,19 @@ class FaultProxy:
         await writer.drain()
         if fault == "truncate":
             writer.transport.abort()
+
+    def _disguise(self, reply: bytes, listing: bool) -> bytes:
+        """``reply`` with every ETag (headers; a listing's body too) replaced by a stable 32-hex value
+        that is not the MD5 of the object, as stores whose ETags are not MD5s send them."""
+        def disguise(match: re.Match[bytes]) -> bytes:
+            fake = hashlib.md5(b"disguised" + match.group(0)).hexdigest().encode()
+            self._disguised[fake] = match.group(0)
+            return fake
+
+        split = reply.index(b"\r\n\r\n") + 4
+        head = re.sub(rb"(?im)^etag:.*$", lambda line: _ETAG_HEX.sub(disguise, line.group(0)), reply[:split])
+        body = _ETAG_HEX.sub(disguise, reply[split:]) if listing else reply[split:]
+        return head + body
 
     def _flip(self, reply: bytes) -> bytes:
         """``reply`` with one random bit of its body flipped, if it has a body and succeeded."""

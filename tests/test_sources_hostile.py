@@ -4,7 +4,9 @@ Also the Retrier's handling of CorruptObjectError, pinned reads and configuratio
 
 from __future__ import annotations
 
+import hashlib
 import io
+import logging
 import resource
 import tarfile
 import threading
@@ -331,6 +333,32 @@ def test_a_flipped_whole_object_is_corrupt_by_its_md5_etag(s3: Any, bucket: str,
         (obj,) = source.list_objects()
         with pytest.raises(CorruptObjectError, match=r"a.bin: its bytes do not match its ETag \(MD5"):
             source.read(source.units(obj)[0])
+    finally:
+        proxy.close()
+
+
+def test_a_store_whose_etags_are_not_md5s_is_read_and_said_so(
+    s3: Any, bucket: str, s3_endpoint: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two reads that agree with each other but not with a plain-looking ETag: the store's ETags are
+    not MD5s. The bytes are kept, the source stops checking ETags, and one warning says so."""
+    from faultproxy import FaultProxy
+
+    for name in ("a", "b"):
+        s3.pipe(f"{bucket}/notmd5/cls/{name}.bin", name.encode() * 1000)
+    proxy = FaultProxy(s3_endpoint, rate=0.0, disguise_etags=True)
+    try:
+        options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url},
+                   "config_kwargs": {"response_checksum_validation": "when_required"}}
+        source = ObjectSource(f"s3://{bucket}/notmd5", storage_options=options)
+        first, second = source.list_objects()
+        assert first.etag is not None and hashlib.md5(b"a" * 1000).hexdigest() not in first.etag
+        before = proxy.requests
+        with caplog.at_level(logging.WARNING, logger="epochcache.sources.remote"):
+            assert source.read(source.units(first)[0])["data"].to_pylist() == [b"a" * 1000]
+            assert source.read(source.units(second)[0])["data"].to_pylist() == [b"b" * 1000]
+        assert proxy.requests - before == 3, "one second read, for the first object only"
+        assert [r.message for r in caplog.records if "are not MD5s" in r.message] and len(caplog.records) == 1
     finally:
         proxy.close()
 
