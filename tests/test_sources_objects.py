@@ -48,6 +48,16 @@ def test_labels_from_the_parent_folder(remote: tuple[Any, str, str, dict[str, An
     assert json.loads(table.schema.field("label").metadata[b"classes"]) == ["cat", "dog"]
 
 
+def test_folder_markers_are_not_samples(s3: Any, bucket: str, s3_options: dict[str, Any]) -> None:
+    """Zero-byte keys ending in "/", as the S3 console makes for folders, are left out of listings."""
+    for name, data in {"m/cat/": b"", "m/cat/1.jpg": b"meow", "m/dog/": b"", "m/dog/1.jpg": b"woof"}.items():
+        s3.pipe(f"{bucket}/{name}", data)
+    source = open_source(SourceConfig(url=f"s3://{bucket}/m", format="objects", labels="folder",
+                                      storage_options=s3_options))
+    assert [o.path for o in source.list_objects()] == [f"{bucket}/m/cat/1.jpg", f"{bucket}/m/dog/1.jpg"]
+    assert source.classes() == ["cat", "dog"]  # type: ignore[attr-defined]
+
+
 def test_folder_labels_refuse_an_object_outside_the_class_folders(
     remote: tuple[Any, str, str, dict[str, Any]]
 ) -> None:

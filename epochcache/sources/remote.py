@@ -185,7 +185,9 @@ class RemoteFiles:
         entries = self.fs._iterdir(bucket, delimiter="", prefix=prefix)
         try:
             while page := fsspec.asyn.sync(self.fs.loop, _take, entries, page_size):
-                yield [RemoteObject(e["name"], int(e["size"]), _etag(e)) for e in page if e.get("type") == "file"]
+                # A key ending in "/" is a folder marker (the S3 console makes them), never data.
+                yield [RemoteObject(e["name"], int(e["size"]), _etag(e)) for e in page
+                       if e.get("type") == "file" and not e["name"].endswith("/")]
         finally:
             fsspec.asyn.sync(self.fs.loop, entries.aclose)
 
