@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import random
+import sqlite3
 import threading
 import time
 import uuid
@@ -168,3 +170,36 @@ def synced_cache(tmp_path: Path, make_config: Callable[..., Config]) -> Callable
         return config
 
     return build
+
+
+class FullDisk:
+    """Fault injection for the ledger's disk: :meth:`connect` (a ``Ledger``/``SyncDaemon`` ``connect``)
+    makes connections whose write transactions fail as on a full disk: the next ``fail_next`` of
+    them, then each with probability ``chance`` (drawn from a generator seeded by ``seed``).
+    ``writes`` and ``refused`` count them."""
+
+    def __init__(self, chance: float = 0.0, seed: int = 0) -> None:
+        self.fail_next, self.chance, self._draw = 0, chance, random.Random(seed)
+        self.writes = self.refused = 0
+
+    def _refuse(self) -> bool:
+        self.writes += 1
+        if self.fail_next > 0:
+            self.fail_next -= 1
+        elif not (self.chance and self._draw.random() < self.chance):
+            return False
+        self.refused += 1
+        return True
+
+    def connect(self, path: Path) -> sqlite3.Connection:
+        disk = self
+
+        class Connection(sqlite3.Connection):
+            def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
+                if sql == "BEGIN IMMEDIATE" and disk._refuse():
+                    raise sqlite3.OperationalError("database or disk is full")
+                return super().execute(sql, parameters)
+
+        con = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False, factory=Connection)
+        con.execute("PRAGMA journal_mode=WAL")
+        return con

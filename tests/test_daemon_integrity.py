@@ -7,8 +7,6 @@ goes on; skips left unread are in the report; the daemon's vitals are in its led
 
 from __future__ import annotations
 
-import random
-import sqlite3
 import subprocess
 import sys
 import time
@@ -22,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import DaemonThread, wait_for, write_parquet_dataset
+from conftest import DaemonThread, FullDisk, wait_for, write_parquet_dataset
 
 from epochcache import Ledger, SyncDaemon
 from epochcache.config import Config
@@ -234,28 +232,6 @@ def test_a_damaged_parquet_footer_among_nine_is_skipped_by_sync_once(
     ledger.close()
 
 
-class _FillingDisk(sqlite3.Connection):
-    """A connection on which a quarter of the write transactions (drawn by a seeded generator) hit a full
-    disk (fault injection)."""
-
-    writes = refused = 0
-    draw = random.Random(3)
-
-    def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
-        if sql == "BEGIN IMMEDIATE":
-            _FillingDisk.writes += 1
-            if _FillingDisk.draw.random() < 0.25:
-                _FillingDisk.refused += 1
-                raise sqlite3.OperationalError("database or disk is full")
-        return super().execute(sql, parameters)
-
-
-def _filling_disk(path: Path) -> sqlite3.Connection:
-    con = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False, factory=_FillingDisk)
-    con.execute("PRAGMA journal_mode=WAL")
-    return con
-
-
 def test_a_ledger_that_keeps_filling_its_disk_does_not_stop_the_daemon(
     tmp_path: Path, make_config: Callable[..., Config]
 ) -> None:
@@ -263,8 +239,9 @@ def test_a_ledger_that_keeps_filling_its_disk_does_not_stop_the_daemon(
     waited out or left unrecorded; the pass completes and every sample is cached once."""
     remote, _ = _remote(tmp_path, files=4)
     config = make_config(remote, **ROOMY)
-    report = SyncDaemon(config, progress=False, connect=_filling_disk).run(once=True)
-    assert _FillingDisk.refused >= 3, f"{_FillingDisk.refused} of {_FillingDisk.writes} writes refused"
+    disk = FullDisk(chance=0.25, seed=3)  # a quarter of the writes refused, the very first among them
+    report = SyncDaemon(config, progress=False, connect=disk.connect).run(once=True)
+    assert disk.refused >= 3, f"{disk.refused} of {disk.writes} writes refused"
     assert report.samples_published == 4 * 64
     assert sorted(_cached_ids(config)) == list(range(4 * 64))
 

@@ -13,10 +13,9 @@ import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import make_table, wait_for
+from conftest import FullDisk, make_table, wait_for
 
 from epochcache.config import CacheConfig
 from epochcache.errors import LedgerError, LedgerFullError
@@ -112,36 +111,24 @@ def test_diskcache_ledger_is_migrated_from_the_shard_files(
     ledger.close()
 
 
-class _FullDisk(sqlite3.Connection):
-    """A connection whose next ``fail`` write transactions hit a full disk (fault injection)."""
-
-    fail = 0
-
-    def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
-        if sql == "BEGIN IMMEDIATE" and _FullDisk.fail > 0:
-            _FullDisk.fail -= 1
-            raise sqlite3.OperationalError("database or disk is full")
-        return super().execute(sql, parameters)
-
-
-def _full_disk_connect(path: Path) -> sqlite3.Connection:
-    con = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False, factory=_FullDisk)
-    con.execute("PRAGMA journal_mode=WAL")
-    return con
+@pytest.fixture
+def full_disk() -> FullDisk:
+    return FullDisk()
 
 
 @pytest.fixture
-def full_disk_ledger(layout: CacheLayout) -> Iterator[Ledger]:
-    ledger = Ledger(layout.ledger, connect=_full_disk_connect)
+def full_disk_ledger(layout: CacheLayout, full_disk: FullDisk) -> Iterator[Ledger]:
+    ledger = Ledger(layout.ledger, connect=full_disk.connect)
     yield ledger
-    _FullDisk.fail = 0
     ledger.close()
 
 
-def test_ledger_enospc_is_ledger_full_and_reads_go_on(layout: CacheLayout, full_disk_ledger: Ledger) -> None:
+def test_ledger_enospc_is_ledger_full_and_reads_go_on(
+    layout: CacheLayout, full_disk: FullDisk, full_disk_ledger: Ledger
+) -> None:
     (record,) = write_shards(layout, 1)
     full_disk_ledger.publish(record)
-    _FullDisk.fail = 10**6
+    full_disk.fail_next = 10**6
     with pytest.raises(LedgerFullError, match="disk is full"):
         full_disk_ledger.publish(write_shards(layout, 2)[1])
     assert full_disk_ledger.shards() == [record] and full_disk_ledger.usage().shards == 1
@@ -150,11 +137,13 @@ def test_ledger_enospc_is_ledger_full_and_reads_go_on(layout: CacheLayout, full_
     reader.close()
 
 
-def test_publisher_backs_off_on_ledger_enospc(layout: CacheLayout, full_disk_ledger: Ledger) -> None:
+def test_publisher_backs_off_on_ledger_enospc(
+    layout: CacheLayout, full_disk: FullDisk, full_disk_ledger: Ledger
+) -> None:
     stop = threading.Event()
     cache = CacheConfig.model_validate({"dir": str(layout.root), "max_bytes": "10MB", "shard_bytes": "1MB"})
     publisher = Publisher(layout, full_disk_ledger, cache, stop)
-    _FullDisk.fail = 1  # the reservation's transaction hits the full disk, then space is back
+    full_disk.fail_next = 1  # the reservation's transaction hits the full disk, then space is back
     published = publisher.publish(make_table(5), ["obj.parquet#0"], {"pass_": 0})
     assert published is not None and full_disk_ledger.shards() == [published.record]
     assert sorted(p.name for p in layout.shards.iterdir()) == [published.record.filename]
