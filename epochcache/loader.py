@@ -50,7 +50,7 @@ from epochcache.coverage import coverage_of
 from epochcache.dataset import ShardSetDataset
 from epochcache.device import pin_batch, pinning_available, to_device
 from epochcache.distributed import Peers
-from epochcache.errors import CacheEmptyError, ConfigError, LoaderError, ShardCorruptError
+from epochcache.errors import CacheEmptyError, ConfigError, LedgerFullError, LoaderError, ShardCorruptError
 from epochcache.layout import CacheLayout
 from epochcache.ledger import Lease, Ledger, ShardRecord
 from epochcache.mappings import ShardMaps
@@ -227,15 +227,17 @@ class EpochCachedLoader:
         self._epoch += 1
         resume, self._resume = self._resume, None
         current = self._take_prepared(epoch, resume)
-        info = self._last = self._record(current)
+        info = self._last = current.info
         self._progress = Progress(epoch, info.start_batch, info.batches, current.shards)
         trigger = min(max(info.batches - 1, 0), int(info.batches * self.config.prepare_next_at))
         batches, completed = current.batches(), False
+        recorded: Future[None] | None = None
         stream = self._on_device(batches)
         try:
             for number, batch in enumerate(stream, start=info.start_batch):
                 if number == info.start_batch:
                     self._last = replace(info, first_batch_wait_s=time.monotonic() - started)
+                    recorded = self._cleanup_pool.submit(self._record, current, self._last)
                     if self._verifier is not None:  # never before the first batch (see epochcache.verifier)
                         self._verifier.submit(current.unverified)
                 if number >= trigger:
@@ -250,6 +252,8 @@ class EpochCachedLoader:
         finally:
             stream.close()  # lets go of the DataLoader iterator now, so closing the epoch shuts its workers
             batches.close()
+            if recorded is not None:  # done long since: last_epoch then has its coverage, the lease its record
+                recorded.result()
             if completed:
                 # Off the path to the next epoch's first batch: stopping workers takes tens of ms of
                 # CPU and releasing the lease a ledger write, so both wait until that batch is out.
@@ -258,17 +262,21 @@ class EpochCachedLoader:
             else:
                 self._finish(current)
 
-    def _record(self, current: _Epoch) -> EpochInfo:
-        """Record the epoch about to run in the ledger (local rank 0, for its node: the samples its
-        batches will hand out, a resumed epoch's skipped batches left out); its info with the cache's
-        coverage and echo, this epoch included."""
-        info = current.info
+    def _record(self, current: _Epoch, info: EpochInfo) -> None:
+        """Record the running epoch in the ledger (local rank 0, for its node: the samples its batches
+        hand out, a resumed epoch's skipped batches left out), then give ``last_epoch`` (``info``)
+        the cache's coverage and echo, this epoch included. Runs on the cleanup thread after the
+        first batch: the first epoch on a large cache adds the units of every shard to the record."""
         if self._peers.local_rank == 0:
             per_batch = self.config.batch_size * self._peers.local_world
             samples = min(self.config.epoch_samples or info.samples, (info.batches - info.start_batch) * per_batch)
-            self._ledger.record_epoch(current.lease.id, max(0, samples))
+            try:
+                self._ledger.record_epoch(current.lease.id, max(0, samples))
+            except LedgerFullError as exc:  # bookkeeping: training goes on without it
+                log.warning("epoch %d not recorded for coverage and echo: %s", info.epoch, exc)
         covered = coverage_of(self._ledger)
-        return info if covered is None else replace(info, coverage=covered.coverage, echo=covered.echo)
+        if covered is not None and self._last is info:  # this epoch's info, not yet replaced by the next
+            self._last = replace(info, coverage=covered.coverage, echo=covered.echo)
 
     # -- resume ---------------------------------------------------------------------------------
 

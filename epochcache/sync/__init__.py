@@ -5,5 +5,6 @@ way), ``intake`` (reads counted and throttled), ``skips`` (failed units recorded
 ``identity`` (what fixes a stream's order and the cache's dataset), ``walk`` (streams merged by
 weight), ``window`` (concurrent reads consumed in order), ``assembly`` (rows gathered into a shard),
 ``writer`` (shards written and published in order by one thread), ``vitals`` (the daemon's state
-for ``epochcache status``).
+for ``epochcache status``), ``slicing`` (a pass's row slices and mixing window), ``notes`` (a full
+ledger disk waited out, or its bookkeeping dropped).
 """
