@@ -31,7 +31,7 @@ import yaml
 from s3server import moto_server
 
 from epochcache import Ledger
-from epochcache.layout import CacheLayout
+from epochcache.cache.layout import CacheLayout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from faultproxy import FaultProxy  # noqa: E402  (the tests' proxy, on the path just above)

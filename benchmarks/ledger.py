@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from epochcache.evict import Fifo
-from epochcache.ledger import Ledger, ShardRecord
-from epochcache.ledger_schema import DB_NAME
+from epochcache.cache.evict import Fifo
+from epochcache.cache.ledger import Ledger, ShardRecord
+from epochcache.cache.ledger_schema import DB_NAME
 
 BATCH = 10_000
 

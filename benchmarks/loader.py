@@ -27,12 +27,12 @@ import pyarrow.parquet as pq
 from pydantic import ByteSize, TypeAdapter
 
 from epochcache import EpochCachedLoader, SyncDaemon
+from epochcache.cache.layout import CacheLayout
+from epochcache.cache.ledger import Ledger
+from epochcache.cache.shards import open_shard
 from epochcache.config import Config, load_config
-from epochcache.dataset import _numpy_view
-from epochcache.layout import CacheLayout
-from epochcache.ledger import Ledger
-from epochcache.pss import tree_pss_bytes
-from epochcache.shards import open_shard
+from epochcache.tools.pss import tree_pss_bytes
+from epochcache.train.dataset import _numpy_view
 
 SHAPE = (3, 64, 64)
 SAMPLE_BYTES = int(np.prod(SHAPE)) + 8

@@ -2,7 +2,7 @@
 holding the same bytes, with the loader's bounded set of open mappings (``max_open_shards``).
 
 The data: ``--size`` bytes of 12 KB samples (a 3x64x64 uint8 image and an int64 label) written as
-shard files straight by :func:`epochcache.shards.write_shard` (no daemon, no ledger: this measures
+shard files straight by :func:`epochcache.cache.shards.write_shard` (no daemon, no ledger: this measures
 the mapping and gather path alone). Each layout is read as shuffled batches of ``--batch`` samples
 for ``--epochs`` epochs; the rate is the median of the warm epochs (the first maps and faults in).
 
@@ -26,10 +26,10 @@ import numpy as np
 import pyarrow as pa
 from pydantic import ByteSize, TypeAdapter
 
-from epochcache.dataset import ShardSetDataset
-from epochcache.mappings import ShardMaps
-from epochcache.order import epoch_order
-from epochcache.shards import write_shard
+from epochcache.cache.shards import write_shard
+from epochcache.train.dataset import ShardSetDataset
+from epochcache.train.mappings import ShardMaps
+from epochcache.train.order import epoch_order
 
 SHAPE = (3, 64, 64)
 SAMPLE_BYTES = int(np.prod(SHAPE)) + 8

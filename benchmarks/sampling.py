@@ -8,7 +8,7 @@ run together on a fresh cache of ``--budget`` of the remote's cached bytes for `
 
 Per setting it prints: distinct labels per batch (and the i.i.d. expectation for batches drawn from
 the whole remote), the correlation of consecutive batches' label histograms (0 for i.i.d. batches),
-coverage and echo after the last epoch (``epochcache.coverage``), and remote bytes read (decoded, as
+coverage and echo after the last epoch (``epochcache.cache.coverage``), and remote bytes read (decoded, as
 the daemon counts them) per byte trained, and the bytes each epoch trained on as a share of the
 budget (epochs after the first). Settings are ``--settings``, each ``name:key=value,...`` of
 ``--set`` overrides. Writes ``benchmarks/results/sampling.json``.
@@ -31,10 +31,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from epochcache import EpochCachedLoader, SyncDaemon
+from epochcache.cache.coverage import coverage_of
+from epochcache.cache.layout import CacheLayout
+from epochcache.cache.ledger import Ledger
 from epochcache.config import load_config
-from epochcache.coverage import coverage_of
-from epochcache.layout import CacheLayout
-from epochcache.ledger import Ledger
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sampling.json"
 BATCH = 64

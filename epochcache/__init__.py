@@ -7,6 +7,9 @@ EpochCachedLoader rebuilds the Dataset and DataLoader each epoch from the shards
 import importlib
 from typing import Any
 
+from epochcache.cache.ledger import Ledger, ShardRecord
+from epochcache.cache.quarantine import quarantine_shard
+from epochcache.cache.repair import Repairs
 from epochcache.config import (
     CacheConfig,
     Config,
@@ -15,7 +18,6 @@ from epochcache.config import (
     SourceConfig,
     load_config,
 )
-from epochcache.daemon import SyncDaemon, SyncReport
 from epochcache.errors import (
     BudgetError,
     CacheEmptyError,
@@ -33,18 +35,16 @@ from epochcache.errors import (
     ShardCorruptError,
     SourceError,
 )
-from epochcache.ledger import Ledger, ShardRecord
-from epochcache.maintenance import collect_garbage, verify_cache
-from epochcache.quarantine import quarantine_shard
-from epochcache.repair import Repairs
+from epochcache.sync.daemon import SyncDaemon, SyncReport
+from epochcache.tools.maintenance import collect_garbage, verify_cache
 
 __version__ = "0.1.0"
 
 # The training-side names import torch; the daemon and the CLI must start without it.
 _LAZY = {
-    "EpochCachedLoader": "epochcache.loader",
-    "EpochInfo": "epochcache.loader",
-    "ShardSetDataset": "epochcache.dataset",
+    "EpochCachedLoader": "epochcache.train.loader",
+    "EpochInfo": "epochcache.train.loader",
+    "ShardSetDataset": "epochcache.train.dataset",
 }
 
 

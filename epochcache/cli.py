@@ -159,7 +159,7 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 def _sync(args: argparse.Namespace) -> int:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from epochcache.daemon import SyncDaemon
+    from epochcache.sync.daemon import SyncDaemon
 
     config = load_config(args.config, args.overrides)
     _warn_if_budget_exceeds_disk(config)
@@ -188,7 +188,7 @@ def _warn_if_budget_exceeds_disk(config: Config) -> None:
     held = sum(f.stat().st_size for f in Path(config.cache.dir).rglob("*") if f.is_file())
     budget = int(config.cache.max_bytes)
     if budget > free + held:
-        from epochcache.status import human_bytes
+        from epochcache.tools.status import human_bytes
 
         log.warning("cache.max_bytes=%s is more than the cache's filesystem can hold (%s free, %s already "
                     "cached): the disk fills before the budget; lower cache.max_bytes or free space",
@@ -196,7 +196,7 @@ def _warn_if_budget_exceeds_disk(config: Config) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from epochcache.status import cache_status, format_status
+    from epochcache.tools.status import cache_status, format_status
 
     config = load_config(args.config, args.overrides)
     status = cache_status(config)
@@ -207,7 +207,7 @@ def _status(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from epochcache.maintenance import verify_cache
+    from epochcache.tools.maintenance import verify_cache
 
     repairs, live = verify_cache(load_config(args.config, args.overrides), fix=args.fix)
     if args.json:
@@ -220,7 +220,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from epochcache.maintenance import collect_garbage
+    from epochcache.tools.maintenance import collect_garbage
 
     done = collect_garbage(load_config(args.config, args.overrides))
     print("gc: " + ", ".join(f"{n} {what}" for what, n in done.items()))
@@ -228,7 +228,7 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _clear(args: argparse.Namespace) -> int:
-    from epochcache.clear import clear_cache, existing_layout
+    from epochcache.tools.clear import clear_cache, existing_layout
 
     config = load_config(args.config, args.overrides)
     root = existing_layout(config).root
@@ -245,7 +245,7 @@ def _clear(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from epochcache.plot import plot_cache
+    from epochcache.tools.plot import plot_cache
 
     drawn = plot_cache(load_config(args.config, args.overrides), args.out)
     print(f"plot: {drawn} epochs drawn into {args.out}")
@@ -253,7 +253,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from epochcache.demo import run_demo
+    from epochcache.tools.demo import run_demo
 
     run_demo(args.dir, epochs=args.epochs, samples=args.samples)
     return 0

@@ -35,8 +35,8 @@ from pydantic import (
     model_validator,
 )
 
+from epochcache.cache.ledger import LEDGER_RESERVE
 from epochcache.errors import ConfigError
-from epochcache.ledger import LEDGER_RESERVE
 from epochcache.redact import MASK, is_secret_name, redact_text
 
 ENV_PREFIX = "EPOCHCACHE_"

@@ -21,7 +21,7 @@ import pytest
 import s3fs
 
 from epochcache.config import Config, load_config
-from epochcache.daemon import SyncDaemon
+from epochcache.sync.daemon import SyncDaemon
 
 ITEM_SHAPE = (3, 16, 16)
 

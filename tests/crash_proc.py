@@ -12,10 +12,10 @@ from typing import Any
 
 import pyarrow as pa
 
-import epochcache.shards as shards
+import epochcache.cache.shards as shards
+from epochcache.cache.ledger import Ledger
 from epochcache.config import load_config
-from epochcache.daemon import SyncDaemon
-from epochcache.ledger import Ledger
+from epochcache.sync.daemon import SyncDaemon
 
 
 def _block() -> None:

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import yaml
 
+from epochcache.cache.ledger import LEDGER_RESERVE
 from epochcache.cli import main
 from epochcache.config import Config, load_config
 from epochcache.errors import ConfigError
-from epochcache.ledger import LEDGER_RESERVE
 
 
 def write_yaml(path: Path, data: dict[str, Any]) -> Path:

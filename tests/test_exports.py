@@ -50,7 +50,7 @@ def test_import_does_not_import_torch() -> None:
 
 
 def test_cli_import_does_not_import_torch() -> None:
-    code = "import sys, epochcache.cli, epochcache.daemon, epochcache.status; print('torch' in sys.modules)"
+    code = "import sys, epochcache.cli, epochcache.sync.daemon, epochcache.tools.status; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "False", result.stderr
 

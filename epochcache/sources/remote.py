@@ -7,7 +7,7 @@ becomes :class:`ObjectMissingError` (the daemon skips it for the pass; the next 
 its new version); a refused one, missing credentials or a missing bucket :class:`SourceError`
 naming the URL (configuration: fatal); bytes that fail a store checksum :class:`CorruptObjectError`
 (retried, then the unit is skipped). Transient failures (5xx, resets, timeouts, a body cut short,
-detected by length) pass through for :mod:`epochcache.retry` to classify and retry. Messages carry
+detected by length) pass through for :mod:`epochcache.sources.retry` to classify and retry. Messages carry
 paths and causes only, never ``storage_options`` (which may hold credentials).
 
 Pinning (invariant: bytes of one read all come from the version the listing saw):
@@ -42,8 +42,8 @@ import fsspec
 import fsspec.asyn
 
 from epochcache.errors import CorruptObjectError, ObjectMissingError, SourceError
-from epochcache.retry import TruncatedReadError, describe
 from epochcache.sources.base import RemoteObject
+from epochcache.sources.retry import TruncatedReadError, describe
 
 _PAGE = 1000  # objects per listing page: S3's own page size
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class RemoteFiles:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
         self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        if hasattr(self.fs, "retries"):  # s3fs's own retry loop: attempts are counted in epochcache.retry
+        if hasattr(self.fs, "retries"):  # s3fs's own retry loop: attempts are counted in epochcache.sources.retry
             self.fs.retries = 1
         protocols = _protocols(self.fs)
         self._s3 = "s3" in protocols

@@ -1,4 +1,4 @@
-"""The sync daemon's parts, one concept per module; :mod:`epochcache.daemon` wires them together.
+"""The sync daemon's parts, one concept per module; :mod:`epochcache.sync.daemon` wires them together.
 
 ``report`` (what a run did), ``stream`` (one source as walked), ``claims`` (units cached or on their
 way), ``intake`` (reads counted and throttled), ``skips`` (failed units recorded and read again),

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from epochcache.columns import is_fixed_width
-from epochcache.mixing import MixCursor
+from epochcache.cache.columns import is_fixed_width
 from epochcache.sources import Unit
+from epochcache.sync.mixing import MixCursor
 
 
 @dataclass

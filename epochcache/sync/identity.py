@@ -15,13 +15,13 @@ from typing import Any
 
 import pyarrow as pa
 
+from epochcache.cache.ledger import Ledger
+from epochcache.cache.shards import schema_fingerprint
 from epochcache.config import Config
 from epochcache.errors import DatasetMismatchError, SourceError
-from epochcache.ledger import Ledger
-from epochcache.mixing import MixCursor
-from epochcache.sampler import Cursor
-from epochcache.shards import schema_fingerprint
+from epochcache.sync.mixing import MixCursor
 from epochcache.sync.notes import note
+from epochcache.sync.sampler import Cursor
 from epochcache.sync.stream import Stream
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from epochcache.cache.publisher import DISK_FULL_FIRST_WAIT_S, DISK_FULL_MAX_WAIT_S
 from epochcache.errors import LedgerFullError
-from epochcache.publisher import DISK_FULL_FIRST_WAIT_S, DISK_FULL_MAX_WAIT_S
 
 log = logging.getLogger(__name__)
 

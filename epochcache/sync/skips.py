@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 
+from epochcache.cache.ledger import Ledger
 from epochcache.errors import CorruptObjectError, FetchFailedError, ObjectMissingError
-from epochcache.ledger import Ledger
-from epochcache.retry import Retrier, describe
 from epochcache.sources import RemoteObject, Unit
+from epochcache.sources.retry import Retrier, describe
 from epochcache.sync.claims import Claims
 from epochcache.sync.notes import note
 from epochcache.sync.report import SyncReport

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from epochcache.cache.ledger import Ledger
 from epochcache.config import Config
-from epochcache.ledger import Ledger
 from epochcache.sync.notes import note
 
 

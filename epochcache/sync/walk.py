@@ -15,17 +15,17 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from epochcache.cache.ledger import Ledger
 from epochcache.config import Config
 from epochcache.errors import FetchFailedError
-from epochcache.ledger import Ledger
-from epochcache.listing import PagedListing, store_listing
-from epochcache.mixing import MixCursor, pick
-from epochcache.retry import Retrier, describe
-from epochcache.sampler import Cursor, Sampler
 from epochcache.sources import RemoteObject, Unit
+from epochcache.sources.retry import Retrier, describe
 from epochcache.sync.claims import Claims
 from epochcache.sync.identity import stream_order
+from epochcache.sync.listing import PagedListing, store_listing
+from epochcache.sync.mixing import MixCursor, pick
 from epochcache.sync.notes import until_written
+from epochcache.sync.sampler import Cursor, Sampler
 from epochcache.sync.skips import SKIPPABLE, SkipBook
 from epochcache.sync.slicing import Slicer, pass_shape
 from epochcache.sync.stream import Stream
@@ -51,7 +51,7 @@ class Walk:
         self.retrier, self.claims, self.skips, self.stop, self.once = retrier, claims, skips, stop, once
 
     def merged(self, position: MixCursor) -> Iterator[Item]:
-        """The streams' walks merged by weight (:func:`~epochcache.mixing.pick`) from ``position``.
+        """The streams' walks merged by weight (:func:`~epochcache.sync.mixing.pick`) from ``position``.
 
         A stream whose last pass found every unit cached gives nothing for ``IDLE_POLL_S`` (its
         share goes to the others, and it comes back at its share rather than catching up on the rows

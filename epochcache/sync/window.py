@@ -15,11 +15,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pyarrow as pa
 
-from epochcache.mixing import MixCursor
-from epochcache.retry import Retrier
 from epochcache.sources import Unit
+from epochcache.sources.retry import Retrier
 from epochcache.sync.claims import Claims
 from epochcache.sync.intake import Intake
+from epochcache.sync.mixing import MixCursor
 from epochcache.sync.skips import SKIPPABLE, SkipBook
 from epochcache.sync.stream import Stream
 from epochcache.sync.walk import Item

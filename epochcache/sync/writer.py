@@ -17,8 +17,8 @@ from typing import Any
 import pyarrow as pa
 from tqdm import tqdm
 
-from epochcache.ledger import ShardRecord
-from epochcache.publisher import Published, Publisher
+from epochcache.cache.ledger import ShardRecord
+from epochcache.cache.publisher import Published, Publisher
 from epochcache.sync.claims import Claims
 from epochcache.sync.report import SyncReport
 

@@ -1,0 +1,165 @@
+"""Checking and repairing a cache directory's files against its ledger.
+
+The ledger is the truth; files disagreeing with it are the debris of a crash: temp files of a shard
+that was being written, whole shards published to disk but not yet to the ledger, files whose record
+was removed just before they were deleted, and records whose file is gone. ``check`` finds them (and
+with ``checksums`` also shards whose bytes changed); with ``fix`` it repairs them: temp files and
+unknown files removed, unknown files that are whole shards (their checksum matches the one in
+their name, their units are not cached elsewhere) adopted back into the ledger, missing records
+dropped, corrupt shards quarantined. ``reconcile`` is the fix the daemon runs at every start.
+
+Cost is proportional to what changed: the shard folder's listing is joined against the ledger's file
+names (:meth:`Ledger.filenames`), and records or files are read only for the names that disagree.
+
+Flow: (layout, ledger) -> :class:`Repairs` (counts of what was found, and fixed if ``fix``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import astuple, dataclass
+
+from epochcache.cache.layout import SHARD_SUFFIX, TMP_SUFFIX, CacheLayout
+from epochcache.cache.ledger import Ledger, ShardRecord
+from epochcache.cache.quarantine import quarantine_shard
+from epochcache.cache.shard_files import whole_shard
+from epochcache.cache.shards import verify_shard
+from epochcache.errors import ShardCorruptError
+
+log = logging.getLogger(__name__)
+
+# With a live daemon, a file and its record change a few milliseconds apart (publish renames then
+# records; eviction unrecords then deletes): a disagreement counts only if it outlasts this.
+_SETTLE_S = 1.0
+_SETTLE_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Repairs:
+    """What a check found (and fixed, if asked): counts per kind of problem."""
+
+    temp_files: int = 0
+    unknown_files: int = 0  # removed when fixing
+    adopted: int = 0  # unknown files that are whole shards: recorded when fixing
+    missing_records: int = 0
+    corrupt: int = 0  # quarantined when fixing
+    quarantine_debris: int = 0  # quarantine files without a ledger entry, or entries without a file
+
+    @property
+    def problems(self) -> int:
+        return sum(astuple(self))
+
+
+@dataclass(frozen=True)
+class _Findings:
+    temp: frozenset[str]
+    unknown: frozenset[str]
+    missing: frozenset[str]
+    stray_quarantine: frozenset[str]
+    lost_quarantine: frozenset[str]
+
+    def __and__(self, other: _Findings) -> _Findings:
+        return _Findings(*(a & b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def __bool__(self) -> bool:
+        return any(astuple(self))
+
+
+def reconcile(layout: CacheLayout, ledger: Ledger, checksums: bool = False) -> Repairs:
+    """Make disk and ledger agree (at daemon start, ``verify --fix``); only the lock's holder may call it.
+
+    Also forgets the reservation and the retiring set, which only a running daemon can own.
+    """
+    repairs = check(layout, ledger, fix=True, checksums=checksums)
+    ledger.clear_reservation()
+    ledger.clear_retiring()
+    if repairs.problems:
+        log.warning("reconciled %s: %s", layout.root, repairs)
+    return repairs
+
+
+def check(
+    layout: CacheLayout, ledger: Ledger, *, fix: bool = False, checksums: bool = False, live: bool = False
+) -> Repairs:
+    """Compare disk with the ledger; with ``fix`` repair what disagrees (hold the lock to fix).
+
+    ``checksums``: also hash every shard (reads every byte). ``live``: a daemon is running, so one
+    temp file is the shard in progress and disagreements must persist for a moment to count.
+    """
+    findings = _scan(layout, ledger)
+    deadline = time.monotonic() + _SETTLE_S
+    while live and findings and time.monotonic() < deadline:
+        time.sleep(_SETTLE_POLL_S)
+        findings = findings & _scan(layout, ledger)
+    temp = len(findings.temp) - (1 if live and findings.temp else 0)
+    adoptable = _adoptable(layout, ledger, findings.unknown)
+    corrupt = _corrupt(layout, ledger) if checksums else []
+    if fix:
+        _apply(layout, ledger, findings, adoptable, corrupt)
+    return Repairs(
+        temp_files=temp,
+        unknown_files=len(findings.unknown) - len(adoptable),
+        adopted=len(adoptable),
+        missing_records=len(findings.missing),
+        corrupt=len(corrupt),
+        quarantine_debris=len(findings.stray_quarantine) + len(findings.lost_quarantine),
+    )
+
+
+def _scan(layout: CacheLayout, ledger: Ledger) -> _Findings:
+    recorded = ledger.filenames()
+    quarantined = {entry.record.filename: entry.record.id for entry in ledger.quarantined()}
+    names = {path.name for path in layout.shards.iterdir()}
+    in_quarantine = {path.name for path in layout.quarantine.iterdir()}
+    gone = recorded - names
+    return _Findings(
+        temp=frozenset(n for n in names if n.endswith(TMP_SUFFIX)),
+        unknown=frozenset(n for n in names if n.endswith(SHARD_SUFFIX) and n not in recorded),
+        # Records are read only when some file is gone (something is wrong), to name their ids.
+        missing=frozenset(r.id for r in ledger.shards() if r.filename in gone) if gone else frozenset(),
+        stray_quarantine=frozenset(in_quarantine - quarantined.keys()),
+        lost_quarantine=frozenset(sid for name, sid in quarantined.items() if name not in in_quarantine),
+    )
+
+
+def _adoptable(layout: CacheLayout, ledger: Ledger, unknown: frozenset[str]) -> list[ShardRecord]:
+    """Records for the unknown files that are whole shards holding no unit cached elsewhere."""
+    taken: set[str] = set()
+    out = []
+    for name in sorted(unknown):
+        record = whole_shard(layout.shards / name)
+        if record is not None and taken.isdisjoint(record.units) and not ledger.cached_units(record.units):
+            taken.update(record.units)
+            out.append(record)
+    return out
+
+
+def _corrupt(layout: CacheLayout, ledger: Ledger) -> list[tuple[ShardRecord, str]]:
+    """Published shards whose file fails its checksum, with the reason."""
+    out = []
+    for record in ledger.shards():
+        try:
+            verify_shard(layout.shards / record.filename, record.checksum)
+        except ShardCorruptError as exc:
+            out.append((record, str(exc)))
+        except FileNotFoundError:
+            continue  # evicted while we looked, or a missing record: counted by the scan
+    return out
+
+
+def _apply(
+    layout: CacheLayout, ledger: Ledger, findings: _Findings, adoptable: list[ShardRecord],
+    corrupt: list[tuple[ShardRecord, str]],
+) -> None:
+    adopted = {record.filename for record in adoptable}
+    for name in findings.temp | (findings.unknown - adopted):
+        (layout.shards / name).unlink(missing_ok=True)
+    if adoptable:
+        ledger.adopt(adoptable)
+    ledger.drop(sorted(findings.missing))
+    for name in findings.stray_quarantine:
+        (layout.quarantine / name).unlink(missing_ok=True)
+    ledger.forget_quarantined(sorted(findings.lost_quarantine))
+    for record, reason in corrupt:
+        quarantine_shard(layout, ledger, record, reason)

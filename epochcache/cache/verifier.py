@@ -1,0 +1,90 @@
+"""BackgroundVerifier: checksums shards not yet verified on this host, off the batch path.
+
+In: shard records handed over by the loader once an epoch's first batch is out; out: each record's
+file checked against its checksum on this verifier's own thread, then recorded in the ledger
+(``Ledger.mark_verified``, so no process on this host checks it again) or quarantined.
+
+Invariants: nothing is checksummed before an epoch's first batch, and a shard is checked at most
+once per verifier (and, through the ledger, once per host: shards the daemon wrote are verified at
+write). A shard found damaged leaves the cache's shard set, so later epochs never read it; an epoch
+already reading it may have read some of its rows (the price of not reading every byte up front).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterable
+
+from epochcache.cache.layout import CacheLayout
+from epochcache.cache.ledger import Ledger, ShardRecord
+from epochcache.cache.quarantine import quarantine_shard
+from epochcache.cache.shards import verify_shard
+from epochcache.errors import ShardCorruptError
+
+log = logging.getLogger(__name__)
+
+_STOP = None
+
+
+class BackgroundVerifier:
+    """One thread checksumming submitted records in order, into ``ledger`` and ``layout``."""
+
+    def __init__(self, layout: CacheLayout, ledger: Ledger):
+        self._layout, self._ledger = layout, ledger
+        self._queue: queue.Queue[ShardRecord | None] = queue.Queue()
+        self._seen: set[str] = set()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._thread = threading.Thread(target=self._run, name="epochcache-verify", daemon=True)
+        self._thread.start()
+
+    def submit(self, records: Iterable[ShardRecord]) -> int:
+        """Queue the records not verified yet and not queued before; returns how many were queued."""
+        fresh = [r for r in records if not r.verified and r.id not in self._seen]
+        with self._idle:
+            self._pending += len(fresh)
+        for record in fresh:
+            self._seen.add(record.id)
+            self._queue.put(record)
+        return len(fresh)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Whether every submitted record was handled within ``timeout`` seconds."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self) -> None:
+        """Stop after the record being checked (the rest are left for a later loader); join the thread."""
+        dropped = 0
+        while True:  # drop what is queued: the ledger still says unverified, so a later loader checks it
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+            dropped += 1
+        with self._idle:
+            self._pending -= dropped
+            self._idle.notify_all()
+        self._queue.put(_STOP)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (record := self._queue.get()) is not _STOP:
+            try:
+                self._check(record)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _check(self, record: ShardRecord) -> None:
+        try:
+            verify_shard(self._layout.shards / record.filename, record.checksum)
+        except FileNotFoundError:
+            return  # evicted or quarantined meanwhile: nothing left to check
+        except ShardCorruptError as exc:
+            quarantine_shard(self._layout, self._ledger, record, f"failed verification: {exc}")
+            return
+        self._ledger.mark_verified([record.id])

@@ -1,0 +1,71 @@
+"""``epochcache clear``: empty a cache directory on purpose, so it can hold another dataset.
+
+Flow: Config -> :func:`clear_cache` -> counts of what was deleted. Under the daemon lock (so no sync
+daemon runs, and none starts meanwhile) and only while no trainer holds a live lease, it deletes the
+shard files, the quarantined shards, then the ledger (with it the dataset identity, the cursor, the
+listing and the skipped units), and leaves the empty folders of a fresh cache.
+
+Invariant: shard files go before the ledger, so a clear interrupted half-way leaves records without
+files (dropped at the next daemon start) and never unrecorded shards of the old dataset that a
+daemon start would adopt. A cache dir that does not exist is refused, never created.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from epochcache.cache.layout import CacheLayout
+from epochcache.cache.ledger import Ledger
+from epochcache.cache.lockfile import exclusive
+from epochcache.config import Config
+from epochcache.errors import CacheError
+
+
+def existing_layout(config: Config) -> CacheLayout:
+    """The layout of ``cache.dir`` if it holds a cache (its ledger folder); :class:`CacheError`
+    naming the path otherwise. Creates nothing: a mistyped ``cache.dir`` stays absent."""
+    layout = CacheLayout(Path(config.cache.dir).resolve())
+    if not layout.ledger.is_dir():
+        state = "holds no epochcache cache" if layout.root.is_dir() else "does not exist"
+        raise CacheError(f"cache.dir {str(layout.root)!r} {state}: check cache.dir in the config "
+                         "(only `epochcache sync` creates a cache)")
+    return layout
+
+
+def clear_cache(config: Config) -> dict[str, int]:
+    """Delete every shard, quarantined shard and the ledger of ``config.cache.dir``; returns
+    ``{"shards": n, "quarantined": n, "bytes": n}`` deleted. Raises :class:`DaemonRunningError` while a
+    daemon (or verify --fix / gc) holds the lock, :class:`CacheError` while a trainer's lease is live."""
+    layout = existing_layout(config)
+    with exclusive(layout.lock, purpose="epochcache clear"):
+        _refuse_live_leases(layout)
+        shards, shard_bytes = _empty(layout.shards)
+        quarantined, quarantined_bytes = _empty(layout.quarantine)
+        shutil.rmtree(layout.ledger)
+        CacheLayout.create(layout.root)
+    return {"shards": shards, "quarantined": quarantined, "bytes": shard_bytes + quarantined_bytes}
+
+
+def _refuse_live_leases(layout: CacheLayout) -> None:
+    ledger = Ledger(layout.ledger)
+    try:
+        leases = ledger.leases()
+    finally:
+        ledger.close()
+    if leases:
+        owners = ", ".join(sorted({str(lease["owner"]) for lease in leases}))
+        raise CacheError(f"epochcache clear: {len(leases)} live lease(s) on {str(layout.root)!r} (owners: {owners}): "
+                         "stop the training processes first (a killed trainer's lease expires after "
+                         "loader.lease_ttl_s)")
+
+
+def _empty(folder: Path) -> tuple[int, int]:
+    """Delete every file in ``folder``; ``(files, bytes)`` deleted."""
+    files = nbytes = 0
+    for path in folder.iterdir():
+        if path.is_file():
+            nbytes += path.stat().st_size
+            path.unlink()
+            files += 1
+    return files, nbytes

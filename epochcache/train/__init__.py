@@ -1,0 +1,1 @@
+"""The training side: EpochCachedLoader and the memory-mapped ShardSetDataset it rebuilds each epoch (imports torch)."""

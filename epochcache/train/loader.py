@@ -1,0 +1,548 @@
+"""EpochCachedLoader: one epoch per ``iter()``, over the shards present when it starts.
+
+Each epoch's shard set is a ledger snapshot taken together with a lease on exactly those shards, so
+the daemon cannot evict them mid-epoch; a heartbeat thread renews the lease. A finished epoch's
+lease is released, and its batch thread or workers stopped, in the background once the next epoch's
+first batch is out (or at :meth:`EpochCachedLoader.close`), so that work never delays that batch;
+an epoch left early is released at once, and a killed trainer's lease simply expires. When
+``loader.prepare_next_at`` of an epoch's batches are consumed, a background thread snapshots the
+next epoch, builds its dataset and order and starts its batches (the batch thread, or the DataLoader
+workers, which the main thread forks at the next batch boundary), so the next epoch starts without a
+stall.
+
+Integrity: an epoch's shards must share one schema (else a :class:`LoaderError` naming both); a
+shard whose file is missing or not at its recorded size is quarantined and left out; nothing is
+checksummed before the first batch: shards not yet verified on this host are checksummed after it by
+a :class:`~epochcache.cache.verifier.BackgroundVerifier` (local rank 0 only), which quarantines failures.
+
+Two modes: without a user transform, batches are built in this process on a background thread
+(Arrow/numpy gathers release the GIL); with one (``transform`` per batch, ``sample_transform`` per
+sample), DataLoader worker processes run it and send fixed-shape batches back through shared-memory
+slots (:mod:`epochcache.train.slots`). ``loader.num_workers`` overrides the choice.
+
+Under torch.distributed, ranks sharing a cache dir read one agreed snapshot, each a disjoint part of
+its order, and all ranks of the job get the same number of batches (see :mod:`epochcache.train.distributed`).
+
+``state_dict()`` / ``load_state_dict()`` resume mid-epoch: the order is a pure function of the
+snapshot, seed and epoch, so a resumed epoch skips the batches already seen without reading them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from torch.utils.data import DataLoader
+
+from epochcache.cache.coverage import coverage_of
+from epochcache.cache.layout import CacheLayout
+from epochcache.cache.ledger import Lease, Ledger, ShardRecord
+from epochcache.cache.quarantine import QuarantineUnreadable, quarantine_shard
+from epochcache.cache.shards import open_shard
+from epochcache.cache.verifier import BackgroundVerifier
+from epochcache.config import LoaderConfig, format_validation_error, load_config
+from epochcache.errors import CacheEmptyError, ConfigError, LedgerFullError, LoaderError, ShardCorruptError
+from epochcache.sources.base import KEY_COLUMN
+from epochcache.train.dataset import ShardSetDataset
+from epochcache.train.device import pin_batch, pinning_available, to_device
+from epochcache.train.distributed import Peers
+from epochcache.train.mappings import ShardMaps
+from epochcache.train.order import EpochBatches, batch_count, epoch_order, rank_part
+from epochcache.train.prefetch import BatchThread
+from epochcache.train.resume import Progress, read_state, snapshot_id
+from epochcache.train.slots import NumberedBatches, SlotDataset, SlotRing
+from epochcache.train.transform import BatchTransform, SampleTransform, TransformedDataset
+from epochcache.train.waiting import Patience, wait_for_samples
+from epochcache.train.wire import from_wire, to_wire
+
+log = logging.getLogger(__name__)
+
+# A snapshot of an empty cache is one small SQLite transaction: polling often keeps the time to the
+# first batch, when the trainer and the daemon start together, close to the daemon's first publish.
+_EMPTY_POLL_S = 0.02
+# Worker processes chosen when a transform is given and loader.num_workers is left unset.
+_AUTO_WORKERS = 2
+
+
+@dataclass(frozen=True)
+class EpochInfo:
+    """What an epoch was built from. ``snapshot`` identifies its shard set (a hash of the shard ids);
+    ``start_batch`` > 0 for a resumed epoch; ``first_batch_wait_s`` is the time from ``iter()`` to its
+    first batch, None until that batch exists. ``coverage`` and ``echo``: the cache's, this epoch
+    included (see :mod:`epochcache.cache.coverage`; coverage None while the remote's size is unknown)."""
+
+    epoch: int
+    shards: int
+    samples: int
+    bytes: int
+    batches: int
+    skipped_shards: int
+    prepared_ahead: bool = False
+    first_batch_wait_s: float | None = None
+    snapshot: str = ""
+    start_batch: int = 0
+    coverage: float | None = None
+    echo: float | None = None
+
+
+class _Epoch:
+    """A built epoch: its lease, shard ids and batch source; ``start`` begins producing batches.
+
+    Worker processes must be forked from the main thread: under torch 2.x, workers forked from a
+    background thread exit with code 1 at shutdown, which the DataLoader reports as a crash. So the
+    preparing thread builds the DataLoader object and the main thread calls ``start`` (at a batch
+    boundary once the preparation is done); the workers then prefetch on their own. Without workers
+    the preparing thread starts the batch thread itself, which builds the first batches at once.
+    """
+
+    def __init__(
+        self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], loader: DataLoader[Any] | BatchThread | None,
+        pin: bool, ring: SlotRing | None = None, unverified: tuple[ShardRecord, ...] = (),
+    ):
+        self.info, self.lease, self.shards, self._loader, self._pin = info, lease, shards, loader, pin
+        self.unverified = unverified  # the epoch's shards not yet checksummed on this host
+        self._unwrap = ring.receive if ring is not None else from_wire
+        self._iterator: Iterator[Any] | None = loader if isinstance(loader, BatchThread) else None
+
+    def start(self) -> None:
+        if self._iterator is None and self._loader is not None:
+            self._iterator = iter(self._loader)
+
+    def batches(self) -> Generator[Any, None, None]:
+        self.start()
+        if isinstance(self._loader, DataLoader) and self._iterator is not None:
+            # Stop at the known count instead of asking for one more: the DataLoader would answer
+            # that by joining its workers here, in the gap before the next epoch's first batch.
+            # Worker batches arrive in shared-memory slots or as numpy (epochcache.train.slots, .wire).
+            for message in itertools.islice(self._iterator, len(self._loader)):
+                batch = self._unwrap(message)
+                yield pin_batch(batch) if self._pin else batch
+        elif self._iterator is not None:
+            yield from self._iterator
+
+    def close(self) -> None:
+        if isinstance(self._loader, BatchThread):
+            self._loader.close()
+        self._iterator = None  # drops the DataLoader iterator, which shuts its workers down
+        self._loader = None
+
+
+class EpochCachedLoader:
+    """Iterate it once per epoch; see the module docstring.
+
+    ``cache_dir``: the daemon's ``cache.dir``. ``config``: a :class:`LoaderConfig`; keyword
+    ``overrides`` replace its fields (``batch_size=128``). ``transform(batch)`` and
+    ``sample_transform(sample)``: user functions run where batches are built (their presence selects
+    worker processes unless ``num_workers`` is set). ``progress``: show the ``min_samples`` wait bar.
+    Under torch.distributed every rank must construct its loader at the same point (a collective).
+    Use as a context manager, or call :meth:`close`, to release leases and stop threads.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str],
+        config: LoaderConfig | None = None,
+        *,
+        transform: BatchTransform | None = None,
+        sample_transform: SampleTransform | None = None,
+        progress: bool = True,
+        **overrides: Any,
+    ):
+        try:
+            self.config = LoaderConfig.model_validate({**(config or LoaderConfig()).model_dump(), **overrides})
+        except ValidationError as exc:
+            raise ConfigError(f"EpochCachedLoader: {format_validation_error(exc)}") from None
+        self._transform, self._sample_transform = transform, sample_transform
+        self._layout = CacheLayout(Path(cache_dir).resolve())
+        if not self._layout.shards.is_dir():  # only the daemon creates a cache: a typo must not make one
+            raise LoaderError(
+                f"no cache at {str(cache_dir)!r} ({self._layout.shards} does not exist): check cache.dir, "
+                "or start `epochcache sync` with it first (the daemon creates the cache)"
+            )
+        self._ledger = Ledger(self._layout.ledger)
+        self._peers = Peers.discover(self._layout.root)
+        self._owner = f"{socket.gethostname()}:{os.getpid()}"
+        self._workers = self._choose_workers()
+        self._pin = self.config.pin_memory and pinning_available()
+        self._device = torch.device(self.config.device) if self.config.device else None
+        self._progress_bar = progress and self._peers.rank == 0
+        self._waited = self.config.min_samples == 0
+        self._epoch = 0
+        self._last: EpochInfo | None = None
+        self._progress: Progress | None = None
+        self._resume: Progress | None = None
+        self._next: tuple[int, Future[_Epoch]] | None = None
+        self._retiring: _Epoch | None = None  # the last epoch, done but its batch source not yet stopped
+        self._present_ids: set[str] = set()  # shards whose file this loader found at its size
+        # one checksumming thread per host (local rank 0), started on each epoch's first batch
+        self._verifier = BackgroundVerifier(self._layout, self._ledger) if self._peers.local_rank == 0 else None
+        # shard mappings the batch thread reuses from epoch to epoch, at most max_open_shards of them
+        self._maps: ShardMaps[Any] = ShardMaps(self.config.max_open_shards)
+        self._held: set[str] = set()
+        self._held_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-prepare")
+        self._cleanup_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-cleanup")
+        # the batch threads of the current epoch and of the next one, prepared ahead
+        self._build_pool = ThreadPoolExecutor(2, thread_name_prefix="epochcache-batches")
+        self._heartbeat = threading.Thread(target=self._renew_leases, name="epochcache-lease", daemon=True)
+        self._heartbeat.start()
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike[str], overrides: Any = (), **kwargs: Any) -> EpochCachedLoader:
+        """Build from a config.yaml (``cache.dir`` and the ``loader`` section); ``kwargs`` as for the class."""
+        config = load_config(path, overrides)
+        return cls(config.cache.dir, config.loader, **kwargs)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` will run."""
+        return self._epoch
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes per epoch: 0 is the in-process batch thread."""
+        return self._workers
+
+    @property
+    def last_epoch(self) -> EpochInfo | None:
+        """Facts about the epoch most recently started."""
+        return self._last
+
+    def __iter__(self) -> Iterator[Any]:
+        started = time.monotonic()
+        self._wait_for_samples()
+        epoch = self._epoch
+        self._epoch += 1
+        resume, self._resume = self._resume, None
+        current = self._take_prepared(epoch, resume)
+        info = self._last = current.info
+        self._progress = Progress(epoch, info.start_batch, info.batches, current.shards)
+        trigger = min(max(info.batches - 1, 0), int(info.batches * self.config.prepare_next_at))
+        batches, completed = current.batches(), False
+        recorded: Future[None] | None = None
+        stream = self._on_device(batches)
+        try:
+            for number, batch in enumerate(stream, start=info.start_batch):
+                if number == info.start_batch:
+                    self._last = replace(info, first_batch_wait_s=time.monotonic() - started)
+                    recorded = self._cleanup_pool.submit(self._record, current, self._last)
+                    if self._verifier is not None:  # never before the first batch (see epochcache.cache.verifier)
+                        self._verifier.submit(current.unverified)
+                if number >= trigger:
+                    self._prepare_ahead(epoch + 1)
+                    self._start_prepared()
+                self._progress.position = number + 1
+                self._retire_previous()  # once this epoch's first batch is out
+                yield batch
+            self._progress = None
+            self._prepare_ahead(epoch + 1)
+            completed = True
+        finally:
+            stream.close()  # lets go of the DataLoader iterator now, so closing the epoch shuts its workers
+            batches.close()
+            if recorded is not None:  # done long since: last_epoch then has its coverage, the lease its record
+                recorded.result()
+            if completed:
+                # Off the path to the next epoch's first batch: stopping workers takes tens of ms of
+                # CPU and releasing the lease a ledger write, so both wait until that batch is out.
+                self._retire_previous()
+                self._retiring = current
+            else:
+                self._finish(current)
+
+    def _record(self, current: _Epoch, info: EpochInfo) -> None:
+        """Record the running epoch in the ledger (local rank 0, for its node: the samples its batches
+        hand out, a resumed epoch's skipped batches left out), then give ``last_epoch`` (``info``)
+        the cache's coverage and echo, this epoch included. Runs on the cleanup thread after the
+        first batch: the first epoch on a large cache adds the units of every shard to the record."""
+        if self._peers.local_rank == 0:
+            per_batch = self.config.batch_size * self._peers.local_world
+            samples = min(self.config.epoch_samples or info.samples, (info.batches - info.start_batch) * per_batch)
+            try:
+                self._ledger.record_epoch(current.lease.id, max(0, samples))
+            except LedgerFullError as exc:  # bookkeeping: training goes on without it
+                log.warning("epoch %d not recorded for coverage and echo: %s", info.epoch, exc)
+        covered = coverage_of(self._ledger)
+        if covered is not None and self._last is info:  # this epoch's info, not yet replaced by the next
+            self._last = replace(info, coverage=covered.coverage, echo=covered.echo)
+
+    # -- resume ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where to resume: ``{"epoch", "position", "seed", "shards", "snapshot"}``.
+
+        Inside an epoch ``position`` is the number of its batches already handed out (the one just
+        received included) and ``shards``/``snapshot`` pin its shard set; between epochs it is the next
+        epoch at position 0 with no shard set (that epoch takes a fresh snapshot).
+        """
+        pending = self._resume or self._progress
+        if pending is None or not pending.unfinished:
+            pending = Progress(self._epoch, 0, None, ())
+        return pending.state(self.config.seed)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next ``iter()`` yields exactly the batches ``state`` had not seen.
+
+        The seed is taken from ``state``. If the saved epoch's shards are no longer in the cache, that
+        ``iter()`` raises :class:`LoaderError` rather than train on another set under the same position.
+        """
+        resume, seed = read_state(state)
+        self.config = self.config.model_copy(update={"seed": seed})
+        self._drop_prepared()
+        self._epoch, self._progress = resume.epoch, None
+        self._resume = resume if resume.shards else None
+
+    def close(self) -> None:
+        """Release every lease, drop a prepared epoch and stop the background threads."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._drop_prepared()
+        self._retire_previous()
+        self._prepare_pool.shutdown(wait=True)
+        self._cleanup_pool.shutdown(wait=True)
+        self._build_pool.shutdown(wait=True)
+        self._heartbeat.join()
+        if self._verifier is not None:
+            self._verifier.close()
+        with self._held_lock:
+            for lease_id in self._held:
+                self._ledger.release(lease_id)
+            self._held.clear()
+        self._ledger.close()
+
+    def __enter__(self) -> EpochCachedLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- building epochs ------------------------------------------------------------------------
+
+    def _choose_workers(self) -> int:
+        if self.config.num_workers is not None:
+            return self.config.num_workers
+        wants_processes = self._transform is not None or self._sample_transform is not None
+        return min(_AUTO_WORKERS, os.cpu_count() or 1) if wants_processes else 0
+
+    def _wait_for_samples(self) -> None:
+        if not self._waited:
+            wait_for_samples(
+                self._layout, self._ledger, self.config.min_samples, self.config.wait_timeout_s,
+                self._closed, self._progress_bar,
+            )
+            self._waited = True
+
+    def _on_device(self, batches: Generator[Any, None, None]) -> Generator[Any, None, None]:
+        return batches if self._device is None else to_device(batches, self._device)
+
+    def _take_prepared(self, epoch: int, resume: Progress | None) -> _Epoch:
+        if resume is None and self._next is not None and self._next[0] == epoch:
+            future = self._next[1]
+            self._next = None
+            return future.result()
+        self._drop_prepared()
+        return self._prepare(epoch, ahead=False, resume=resume)
+
+    def _drop_prepared(self) -> None:
+        if self._next is not None:
+            _, future = self._next
+            self._next = None
+            if not future.cancel() and future.exception() is None:
+                self._finish(future.result())
+
+    def _start_prepared(self) -> None:
+        """Start the prepared next epoch's workers, from this (the main) thread, once it is built."""
+        if self._next is not None and self._next[1].done() and self._next[1].exception() is None:
+            self._next[1].result().start()
+
+    def _prepare_ahead(self, epoch: int) -> None:
+        if self._next is None and not self._closed.is_set():
+            self._next = (epoch, self._prepare_pool.submit(self._prepare, epoch, True, None))
+
+    def _prepare(self, epoch: int, ahead: bool, resume: Progress | None) -> _Epoch:
+        lease = self._snapshot(epoch)
+        try:
+            records = self._agreed_records(lease, resume)
+            self._check_one_schema(records)
+            dataset = ShardSetDataset(
+                [self._layout.shards / r.filename for r in records], [r.rows for r in records], self.config.columns,
+                self._maps, QuarantineUnreadable(self._layout.root),
+            )
+            sampler = self._sampler([r.rows for r in records], epoch, resume.position if resume else 0)
+            info = EpochInfo(
+                epoch=epoch, shards=len(records), samples=len(dataset), bytes=sum(r.nbytes for r in records),
+                batches=sampler.count, skipped_shards=len(lease.shards) - len(records), prepared_ahead=ahead,
+                snapshot=snapshot_id([r.id for r in records]), start_batch=min(sampler.start, sampler.count),
+            )
+            source, ring = self._batch_source(dataset, sampler)
+            unverified = tuple(r for r in records if not r.verified)
+            return _Epoch(info, lease, tuple(r.id for r in records), source, self._pin, ring, unverified)
+        except BaseException:
+            self._release(lease.id)
+            raise
+
+    def _agreed_records(self, lease: Lease, resume: Progress | None) -> list[ShardRecord]:
+        """The epoch's shards, sorted by id: the node's agreed set, or the resumed epoch's exact set."""
+        usable = {r.id: r for r in lease.shards if self._present(r)}
+        common = self._peers.common_shards(list(usable))
+        if resume is None:
+            return [usable[i] for i in common]
+        gone = sorted(set(resume.shards) - set(common))
+        if gone:
+            raise LoaderError(
+                f"cannot resume epoch {resume.epoch} at batch {resume.position}: {len(gone)} of its "
+                f"{len(resume.shards)} shards are no longer in {self._layout.root} (evicted or corrupt, e.g. "
+                f"{gone[0]}); resume from the next epoch instead: load_state_dict({{**state, 'epoch': "
+                f"{resume.epoch + 1}, 'position': 0, 'shards': None, 'snapshot': None}})"
+            )
+        return [usable[i] for i in sorted(resume.shards)]
+
+    def _check_one_schema(self, records: list[ShardRecord]) -> None:
+        """A :class:`LoaderError` if the records name two schema fingerprints (the ledger's, so this
+        reads no shard unless there is a conflict to describe); shards of unknown schema ("") are
+        checked by the dataset as it opens them."""
+        first: dict[str, ShardRecord] = {}
+        for record in records:
+            if record.schema:
+                first.setdefault(record.schema, record)
+        if len(first) > 1:
+            counts = {fp: sum(r.schema == fp for r in records) for fp in first}
+            (a, one), (b, two) = list(first.items())[:2]
+            raise LoaderError(
+                f"the cache {self._layout.root} holds shards of {len(first)} schemas: {counts[a]} shards with "
+                f"{_schema_of(self._layout, one)}, {counts[b]} with {_schema_of(self._layout, two)} (it was filled "
+                "under different source columns or sources); empty it with `epochcache clear`, or give "
+                "cache.dir a new directory"
+            )
+
+    def _sampler(self, shard_rows: list[int], epoch: int, start: int) -> EpochBatches:
+        cfg, peers = self.config, self._peers
+        # Half the open maps per window: a batch near a window's end also touches the next window.
+        window = max(1, cfg.max_open_shards // 2)
+        order = epoch_order(sum(shard_rows), cfg.seed, epoch, cfg.shuffle, cfg.epoch_samples, cfg.replacement,
+                            shard_rows, window)
+        part = rank_part(order, peers.local_rank, peers.local_world)
+        count = peers.fewest_batches(batch_count(len(part), cfg.batch_size, cfg.drop_last))
+        return EpochBatches(part, cfg.batch_size, count, start)
+
+    def _batch_source(
+        self, dataset: ShardSetDataset, sampler: EpochBatches
+    ) -> tuple[DataLoader[Any] | BatchThread | None, SlotRing | None]:
+        """The epoch's batches: a batch thread, or worker processes (sending through a slot ring
+        when the dataset has tensor columns, see epochcache.train.slots)."""
+        if not len(sampler):
+            return None, None
+        data = TransformedDataset(dataset, self._transform, self._sample_transform)
+        if self._workers == 0:
+            build = (lambda idx: pin_batch(data.__getitems__(idx))) if self._pin else data.__getitems__
+            return BatchThread(build, sampler, self.config.prefetch_batches, self._build_pool), None
+        layout = dataset.fixed_layout()
+        if not layout:
+            return DataLoader(
+                # index arrays rather than lists: __getitems__ takes them whole
+                data, batch_sampler=sampler, num_workers=self._workers, collate_fn=to_wire,  # type: ignore[arg-type]
+                prefetch_factor=self.config.prefetch_batches,
+            ), None
+        # The DataLoader asks for at most prefetch_batches per worker ahead of the batch being handed
+        # out; two slots more leave room for the batch being copied out and a worker running ahead.
+        ahead = self.config.prefetch_batches * self._workers + 2
+        ring = SlotRing(layout, self.config.batch_size, ahead, sampler.start)
+        return DataLoader(
+            # the ring reaches the workers through fork (anonymous shared memory cannot be pickled)
+            SlotDataset(data, ring), batch_sampler=NumberedBatches(sampler),  # type: ignore[arg-type]
+            num_workers=self._workers, collate_fn=to_wire, prefetch_factor=self.config.prefetch_batches,
+            multiprocessing_context="fork",
+        ), ring
+
+    def _snapshot(self, epoch: int) -> Lease:
+        """A lease on a shard set holding at least one row, waiting for it while a daemon runs (up to
+        ``wait_timeout_s``; see :class:`epochcache.train.waiting.Patience`)."""
+        patience = Patience(self._layout, self.config.wait_timeout_s)
+        while True:
+            lease = self._ledger.snapshot(f"{self._owner}:epoch{epoch}", self.config.lease_ttl_s)
+            with self._held_lock:
+                self._held.add(lease.id)
+            if any(r.rows for r in lease.shards):  # zero-row shards alone would make an epoch of no batches
+                return lease
+            self._release(lease.id)
+            why = patience.over()
+            if why is not None or self._closed.wait(_EMPTY_POLL_S):
+                if why == "no daemon":
+                    raise CacheEmptyError(
+                        f"no shard in {self._layout.root} after {patience.elapsed():.0f}s and no sync daemon runs "
+                        "on it: start `epochcache sync` with this cache.dir"
+                    )
+                raise CacheEmptyError(
+                    f"no shard appeared in {self._layout.root} within {self.config.wait_timeout_s:g}s while "
+                    "`epochcache sync` runs on it (loader.wait_timeout_s sets the wait): check `epochcache status`"
+                )
+
+    def _present(self, record: ShardRecord) -> bool:
+        """Whether a shard's file is there at its recorded size (one stat, the first time this loader
+        uses it); if not, it is quarantined. Its checksum is the background verifier's business."""
+        if record.id in self._present_ids:
+            return True
+        path = self._layout.shards / record.filename
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError as exc:
+            quarantine_shard(self._layout, self._ledger, record, f"skipped by an epoch: {exc}")
+            return False
+        if size != record.nbytes:
+            reason = f"skipped by an epoch: {path} holds {size} bytes, the ledger recorded {record.nbytes} (truncated?)"
+            quarantine_shard(self._layout, self._ledger, record, reason)
+            return False
+        self._present_ids.add(record.id)
+        return True
+
+    def _retire_previous(self) -> None:
+        """Stop the finished epoch's batch source and release its lease, in the background."""
+        if self._retiring is not None:
+            self._cleanup_pool.submit(self._finish, self._retiring)
+            self._retiring = None
+
+    def _finish(self, epoch: _Epoch) -> None:
+        epoch.close()
+        self._release(epoch.lease.id)
+
+    # -- leases ---------------------------------------------------------------------------------
+
+    def _release(self, lease_id: str) -> None:
+        with self._held_lock:
+            self._held.discard(lease_id)
+        self._ledger.release(lease_id)
+
+    def _renew_leases(self) -> None:
+        interval = self.config.lease_ttl_s / 3
+        while not self._closed.wait(interval):
+            with self._held_lock:
+                held = list(self._held)
+            for lease_id in held:
+                if not self._ledger.renew(lease_id, self.config.lease_ttl_s):
+                    with self._held_lock:
+                        lost = lease_id in self._held  # else it was released meanwhile: no loss
+                    if lost:
+                        log.warning("lease %s expired before renewal (process stalled longer than "
+                                    "loader.lease_ttl_s?): its shards may be evicted", lease_id)
+
+
+def _schema_of(layout: CacheLayout, record: ShardRecord) -> str:
+    """A shard's columns as ``[name: type, ...]``, for a message."""
+    try:
+        schema = open_shard(layout.shards / record.filename).schema
+    except (ShardCorruptError, OSError) as exc:
+        return f"schema {record.schema} (shard {record.filename} unreadable: {exc})"
+    return "[" + ", ".join(f"{f.name}: {f.type}" for f in schema if f.name != KEY_COLUMN) + "]"

@@ -1,0 +1,169 @@
+"""Worker batches through a ring of shared-memory slots instead of the result pipe.
+
+A DataLoader worker sends its batch through a pipe, pickled (:mod:`epochcache.train.wire`): about 400 MB/s
+here, the bottleneck of worker mode. For the common batch, whose numeric columns have the shape and
+dtype of the dataset's fixed-width columns, this ring skips the pipe. Before the workers fork, the
+trainer maps ``count`` slots of anonymous shared memory (``mmap(-1)``: no name in /dev/shm, so
+nothing can collide with it or leak after a crash; the workers inherit it through fork and it is gone
+when the last process unmaps it). Batch ``number`` goes to slot ``number % count``: the worker
+gathers it there (straight from the shards when there is no transform) and sends back only a small
+:class:`SlotBatch`; the trainer copies its arrays out into fresh tensors (pinned, when pinning) and
+frees the slot. So a batch the trainer holds never lives in the ring, and the ring's lifetime does not
+reach user code.
+
+Invariant: a slot is never written while a batch in it is unread. Each slot has a shared int64, the
+one batch number allowed to write it next; the trainer raises it by ``count`` only after copying the
+slot out. A worker whose slot is not free yet (the DataLoader fetches further ahead than the ring
+holds) sends that batch through the pipe instead: it never waits and never overwrites. A batch that
+does not fit the slots (a transform that changes shapes or dtypes) also goes through the pipe.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from epochcache.train.order import EpochBatches
+from epochcache.train.transform import TransformedDataset
+from epochcache.train.wire import from_wire, to_wire
+
+# Column starts aligned to a cache line, so each gather writes whole lines of its own column.
+_ALIGN = 64
+
+Layout = Mapping[str, tuple[np.dtype, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class SlotBatch:
+    """What a worker sends for a batch written into its slot: the numbers and the other columns."""
+
+    number: int
+    rows: int
+    extras: dict[str, Any]
+
+
+class SlotRing:
+    """``count`` slots, each holding ``batch_size`` rows of every column of ``layout`` (name -> dtype,
+    item shape); ``first`` is the epoch's first batch number (a resumed epoch starts later)."""
+
+    def __init__(self, layout: Layout, batch_size: int, count: int, first: int = 0):
+        self._layout = {name: (np.dtype(dtype), tuple(shape)) for name, (dtype, shape) in layout.items()}
+        self._batch_size, self._count = batch_size, count
+        offsets, size = {}, 0
+        for name, (dtype, shape) in self._layout.items():
+            offsets[name] = size
+            size += -(-batch_size * math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+        self._offsets, self._slot_bytes = offsets, size
+        header = -(-count * 8 // _ALIGN) * _ALIGN
+        self._memory = mmap.mmap(-1, header + count * size)
+        self._header = header
+        self._next_writer = np.frombuffer(self._memory, np.int64, count)
+        # batch first + k writes slot (first + k) % count first: the smallest such number per slot
+        self._next_writer[:] = first + (np.arange(count) - first) % count
+
+    def claim(self, number: int) -> dict[str, np.ndarray] | None:
+        """In a worker: the full-size arrays of batch ``number``'s slot, or None while it is still in use."""
+        slot = number % self._count
+        if int(self._next_writer[slot]) != number:
+            return None
+        return self._arrays(slot)
+
+    def fits(self, batch: Any) -> bool:
+        """Whether ``batch`` (a dict) holds every slot column as a CPU array of the slot's dtype and
+        item shape, all with the same number of rows, at most ``batch_size``."""
+        if not isinstance(batch, dict):
+            return False
+        rows = set()
+        for name, (dtype, shape) in self._layout.items():
+            value = batch.get(name)
+            if isinstance(value, torch.Tensor):
+                if value.device.type != "cpu":
+                    return False
+                value = value.numpy()
+            if not isinstance(value, np.ndarray) or value.dtype != dtype or value.shape[1:] != shape:
+                return False
+            rows.add(len(value))
+        return len(rows) == 1 and rows.pop() <= self._batch_size
+
+    def send(self, number: int, batch: Any) -> SlotBatch | None:
+        """In a worker: ``batch`` copied into its slot, or None if it does not fit or the slot is in use."""
+        if not self.fits(batch):
+            return None
+        slot = self.claim(number)
+        if slot is None:
+            return None
+        rows = len(batch[next(iter(self._layout))])
+        for name in self._layout:
+            np.copyto(slot[name][:rows], np.asarray(batch[name]))
+        return self.sent(number, rows, batch)
+
+    def sent(self, number: int, rows: int, batch: Mapping[str, Any]) -> SlotBatch:
+        """The message for batch ``number`` once its ``rows`` rows are in the slot; the rest of ``batch``
+        travels in it as numpy (see :mod:`epochcache.train.wire`)."""
+        return SlotBatch(number, rows, to_wire({k: v for k, v in batch.items() if k not in self._layout}))
+
+    def receive(self, message: Any) -> Any:
+        """In the trainer: the batch as tensors of its own; frees the slot.
+        Anything but a :class:`SlotBatch` came through the pipe and is only unwrapped."""
+        if not isinstance(message, SlotBatch):
+            return from_wire(message)
+        slot = message.number % self._count
+        arrays = self._arrays(slot)
+        batch = {name: torch.from_numpy(array[: message.rows].copy()) for name, array in arrays.items()}
+        # only now may the batch count slots later overwrite this one
+        self._next_writer[slot] = message.number + self._count
+        return {**batch, **from_wire(message.extras)}
+
+    def _arrays(self, slot: int) -> dict[str, np.ndarray]:
+        base = self._header + slot * self._slot_bytes
+        return {
+            name: np.frombuffer(
+                self._memory, dtype, self._batch_size * math.prod(shape), base + self._offsets[name]
+            ).reshape(self._batch_size, *shape)
+            for name, (dtype, shape) in self._layout.items()
+        }
+
+
+class NumberedBatches:
+    """``sampler``'s index arrays paired with their batch numbers: the worker needs the number to
+    find the slot."""
+
+    def __init__(self, sampler: EpochBatches):
+        self._sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self._sampler)
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
+        return iter(zip(range(self._sampler.start, self._sampler.count), self._sampler))
+
+
+class SlotDataset(Dataset[Any]):
+    """In a worker: ``data``'s batch for ``(number, indices)`` as a :class:`SlotBatch` when it fits its
+    slot, else the batch itself (for the pipe: ``to_wire`` is the DataLoader's ``collate_fn``). Without a
+    transform the gather writes into the slot directly (one copy fewer)."""
+
+    def __init__(self, data: TransformedDataset, ring: SlotRing):
+        self._data, self._ring = data, ring
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __getitem__(self, index: int) -> Any:
+        raise TypeError("SlotDataset is read by batch: give it (batch number, indices) to __getitems__")
+
+    def __getitems__(self, numbered: tuple[int, np.ndarray]) -> Any:
+        number, indices = numbered
+        if self._data.plain:
+            slot = self._ring.claim(number)
+            if slot is not None:
+                return self._ring.sent(number, len(indices), self._data.dataset.__getitems__(indices, out=slot))
+        batch = self._data.__getitems__(indices)
+        return self._ring.send(number, batch) or batch

@@ -1,0 +1,187 @@
+"""The ledger heals and knows its leases' owners: damaged files, the diskcache ledger of earlier
+versions, a full disk under the ledger, and leases of processes that die or stop."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import pytest
+from conftest import FullDisk, make_table, wait_for
+
+from epochcache.cache.layout import CacheLayout
+from epochcache.cache.lease_owner import Owner, start_time, this_host
+from epochcache.cache.ledger import Ledger, ShardRecord
+from epochcache.cache.ledger_schema import DB_NAME, LEGACY_DB_NAME, connect
+from epochcache.cache.publisher import Publisher
+from epochcache.cache.shards import ShardMeta, schema_fingerprint, with_record_meta, write_shard
+from epochcache.config import CacheConfig
+from epochcache.errors import LedgerError, LedgerFullError
+from epochcache.tools.maintenance import _whole_ledger
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> CacheLayout:
+    return CacheLayout.create(tmp_path / "cache")
+
+
+def write_shards(layout: CacheLayout, count: int) -> list[ShardRecord]:
+    """Real shard files carrying their records, as the publisher writes them."""
+    out = []
+    for i in range(count):
+        sid, units = f"{i:04x}-shard", (f"obj{i}.parquet#0",)
+        table = with_record_meta(make_table(5, start=5 * i), ShardMeta(sid, float(i), units))
+        checksum = write_shard(table, layout.tmp_path(sid), partial(layout.shard_path, sid))
+        path = layout.shard_path(sid, checksum)
+        out.append(ShardRecord(id=sid, filename=path.name, nbytes=path.stat().st_size, rows=5, created=float(i),
+                               checksum=checksum, units=units, schema=schema_fingerprint(table.schema),
+                               verified=True))
+    return out
+
+
+def test_garbage_ledger_is_one_line_and_rebuilt_whole(layout: CacheLayout) -> None:
+    records = write_shards(layout, 4)
+    (layout.ledger / DB_NAME).write_bytes(b"this is not a database" * 100)
+    with pytest.raises(LedgerError, match="verify --fix") as raised:
+        Ledger(layout.ledger)
+    assert str(layout.ledger / DB_NAME) in str(raised.value) and "\n" not in str(raised.value)
+    ledger = _whole_ledger(layout)
+    assert ledger.shards() == records, "every whole shard is back, with its record"
+    assert sorted(p.name for p in layout.ledger.iterdir() if not p.name.startswith(DB_NAME + "-")) == [DB_NAME]
+    ledger.close()
+
+
+def test_a_version_1_ledger_is_upgraded_in_place(layout: CacheLayout) -> None:
+    records = write_shards(layout, 2)
+    ledger = Ledger(layout.ledger)
+    ledger.adopt(records)
+    ledger.close()
+    con = sqlite3.connect(layout.ledger / DB_NAME)
+    con.executescript("DROP TABLE trained_units; DROP TABLE epochs; DROP INDEX shards_untrained; "
+                      "ALTER TABLE shards DROP COLUMN trained; PRAGMA user_version=1;")  # as version 1 wrote it
+    con.close()
+    ledger = Ledger(layout.ledger)
+    assert ledger.shards() == records and ledger.epochs() == []
+    lease = ledger.snapshot("t", ttl_s=60)
+    ledger.record_epoch(lease.id, 10)
+    assert ledger.epochs()[0]["distinct_trained"] == 10
+    ledger.close()
+
+
+def test_half_truncated_ledger_is_rebuilt(layout: CacheLayout) -> None:
+    records = write_shards(layout, 3)
+    ledger = Ledger(layout.ledger)
+    ledger.adopt(records)
+    ledger.adopt([ShardRecord(id=f"x{i}", filename=f"x{i}.arrow", nbytes=1, rows=1, created=9.0 + i,
+                              checksum="0" * 32, units=(f"u{i}" * 20,)) for i in range(3000)])  # pages to cut
+    ledger.close()
+    path = layout.ledger / DB_NAME
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(LedgerError, match="verify --fix"):
+        damaged = Ledger(layout.ledger)
+        damaged.shards()
+        assert damaged.intact()
+    healed = _whole_ledger(layout)
+    assert healed.shards() == records
+    healed.close()
+
+
+def test_diskcache_ledger_is_migrated_from_the_shard_files(
+    layout: CacheLayout, caplog: pytest.LogCaptureFixture
+) -> None:
+    import diskcache
+
+    records = write_shards(layout, 3)
+    old = diskcache.Cache(str(layout.ledger))
+    old.set("shard:whatever", {"id": "whatever"})
+    old.close()
+    with caplog.at_level(logging.WARNING, logger="epochcache.cache.ledger"):
+        ledger = Ledger(layout.ledger)
+    assert ledger.shards() == records
+    assert [r.message for r in caplog.records if "migrated" in r.message] != []
+    assert not (layout.ledger / LEGACY_DB_NAME).exists()
+    ledger.close()
+
+
+@pytest.fixture
+def full_disk() -> FullDisk:
+    return FullDisk()
+
+
+@pytest.fixture
+def full_disk_ledger(layout: CacheLayout, full_disk: FullDisk) -> Iterator[Ledger]:
+    ledger = Ledger(layout.ledger, connect=full_disk.connect)
+    yield ledger
+    ledger.close()
+
+
+def test_ledger_enospc_is_ledger_full_and_reads_go_on(
+    layout: CacheLayout, full_disk: FullDisk, full_disk_ledger: Ledger
+) -> None:
+    (record,) = write_shards(layout, 1)
+    full_disk_ledger.publish(record)
+    full_disk.fail_next = 10**6
+    with pytest.raises(LedgerFullError, match="disk is full"):
+        full_disk_ledger.publish(write_shards(layout, 2)[1])
+    assert full_disk_ledger.shards() == [record] and full_disk_ledger.usage().shards == 1
+    reader = Ledger(layout.ledger, connect=connect)  # a trainer or status, on its own connection
+    assert reader.shards() == [record]
+    reader.close()
+
+
+def test_publisher_backs_off_on_ledger_enospc(
+    layout: CacheLayout, full_disk: FullDisk, full_disk_ledger: Ledger
+) -> None:
+    stop = threading.Event()
+    cache = CacheConfig.model_validate({"dir": str(layout.root), "max_bytes": "10MB", "shard_bytes": "1MB"})
+    publisher = Publisher(layout, full_disk_ledger, cache, stop)
+    full_disk.fail_next = 1  # the reservation's transaction hits the full disk, then space is back
+    published = publisher.publish(make_table(5), ["obj.parquet#0"], {"pass_": 0})
+    assert published is not None and full_disk_ledger.shards() == [published.record]
+    assert sorted(p.name for p in layout.shards.iterdir()) == [published.record.filename]
+    assert full_disk_ledger.usage().reserved_bytes == 0
+
+
+def _sleeper() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_lease_of_a_killed_owner_ends_at_once(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger")
+    proc = _sleeper()
+    try:
+        started = wait_for(lambda: start_time(proc.pid), timeout=10)
+        lease = ledger.snapshot("trainer", ttl_s=600, holder=Owner(this_host(), proc.pid, started))
+        assert [x["id"] for x in ledger.leases()] == [lease.id]
+        proc.kill()
+        proc.wait(10)
+        assert ledger.leases() == [], "no TTL wait for a dead owner on this host"
+        assert ledger.purge_expired() == 1
+    finally:
+        proc.kill()
+        ledger.close()
+
+
+def test_lease_of_a_stopped_owner_outlives_its_ttl(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger")
+    proc = _sleeper()
+    try:
+        started = wait_for(lambda: start_time(proc.pid), timeout=10)
+        lease = ledger.snapshot("trainer", ttl_s=0.1, holder=Owner(this_host(), proc.pid, started))
+        proc.send_signal(signal.SIGSTOP)
+        wait_for(lambda: time.time() > lease.expires + 0.3, timeout=10)
+        assert [x["id"] for x in ledger.leases()] == [lease.id], "a stopped owner still holds its shards"
+        assert ledger.renew(lease.id, 0.1)
+        assert not Owner(this_host(), proc.pid, started + 1).alive(), "a reused pid is another process"
+    finally:
+        proc.kill()
+        proc.wait(10)
+        ledger.close()

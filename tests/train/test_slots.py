@@ -1,0 +1,95 @@
+"""Worker batches through shared-memory slots: same batches as the pipe, no slot overwritten while held."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from conftest import ITEM_SHAPE
+
+from epochcache import EpochCachedLoader
+from epochcache.config import Config
+from epochcache.train.slots import SlotBatch, SlotRing
+
+LAYOUT = {"image": (np.dtype(np.uint8), ITEM_SHAPE), "id": (np.dtype(np.int64), ())}
+
+
+def _batch(ids: list[int]) -> dict[str, torch.Tensor]:
+    id_tensor = torch.tensor(ids, dtype=torch.int64)
+    image = (id_tensor % 251).to(torch.uint8)[:, None, None, None].expand(-1, *ITEM_SHAPE).contiguous()
+    return {"image": image, "id": id_tensor}
+
+
+def test_batch_round_trips_through_its_slot_with_extra_columns() -> None:
+    ring = SlotRing(LAYOUT, batch_size=4, count=3)
+    message = ring.send(0, {**_batch([5, 6, 7]), "name": ["a", "b", "c"]})
+    assert isinstance(message, SlotBatch) and (message.number, message.rows) == (0, 3)
+    batch = ring.receive(message)
+    assert torch.equal(batch["id"], torch.tensor([5, 6, 7])) and torch.equal(batch["image"], _batch([5, 6, 7])["image"])
+    assert batch["name"] == ["a", "b", "c"]
+
+
+def test_slot_is_not_written_again_until_its_batch_is_received() -> None:
+    ring = SlotRing(LAYOUT, batch_size=2, count=2)
+    held = ring.send(0, _batch([1, 2]))
+    assert ring.send(1, _batch([3, 4])) is not None, "another slot is free"
+    assert ring.send(2, _batch([9, 9])) is None, "slot 0 still holds batch 0: batch 2 must take the pipe"
+    assert ring.claim(2) is None
+    first = ring.receive(held)
+    assert ring.send(2, _batch([5, 6])) is not None, "received: slot 0 is free for batch 2"
+    assert torch.equal(first["id"], torch.tensor([1, 2])), "a received batch is a copy the ring does not reuse"
+
+
+def test_ring_of_a_resumed_epoch_starts_at_its_first_batch() -> None:
+    ring = SlotRing(LAYOUT, batch_size=2, count=3, first=7)
+    assert [ring.claim(n) is not None for n in (7, 8, 9, 10)] == [True, True, True, False]
+
+
+def test_batches_that_do_not_fit_are_refused() -> None:
+    ring = SlotRing(LAYOUT, batch_size=2, count=2)
+    assert ring.send(0, _batch([1, 2, 3])) is None, "more rows than a slot holds"
+    assert ring.send(0, {**_batch([1, 2]), "image": _batch([1, 2])["image"].float()}) is None, "another dtype"
+    assert ring.send(0, {"id": torch.tensor([1, 2])}) is None, "a slot column is missing"
+    assert ring.send(0, [1, 2]) is None, "not a dict"
+    assert ring.send(0, _batch([1, 2])) is not None, "refusals left the slot free"
+
+
+@pytest.fixture
+def synced(synced_cache: Callable[..., Config]) -> Config:
+    return synced_cache(files=3, rows_per_file=200, rows_per_group=50, shard_bytes="128KiB")
+
+
+def _epochs(config: Config, epochs: int, **kwargs: object) -> list[list[dict[str, torch.Tensor]]]:
+    with EpochCachedLoader(config.cache.dir, batch_size=32, seed=5, progress=False, **kwargs) as loader:
+        return [list(loader) for _ in range(epochs)]
+
+
+def _to_float(batch: dict) -> dict:
+    return {**batch, "image": batch["image"].float()}
+
+
+@pytest.mark.parametrize("transform", [None, _to_float], ids=["slots", "pipe-after-dtype-change"])
+def test_worker_batches_equal_the_in_process_batches(
+    synced: Config, transform: Callable | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = _epochs(synced, 2, num_workers=0, transform=transform)
+    messages: list[type] = []
+    receive = SlotRing.receive
+    monkeypatch.setattr(
+        SlotRing, "receive", lambda ring, message: messages.append(type(message)) or receive(ring, message)
+    )
+    got = _epochs(synced, 2, num_workers=2, transform=transform)
+    # the ring and the prefetch depth are sized so that no batch waits for a slot: none takes the pipe
+    assert set(messages) == ({SlotBatch} if transform is None else {dict}) and len(messages) == 2 * len(got[0])
+    assert [len(e) for e in got] == [len(e) for e in expected] and len(expected[0]) == -(-600 // 32)
+    for got_epoch, expected_epoch in zip(got, expected):
+        for a, b in zip(got_epoch, expected_epoch):
+            assert a.keys() == b.keys()
+            assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    # every batch is still intact after later batches went through the same slots
+    for epoch in got:
+        for batch in epoch:
+            pixels = (batch["id"] % 251).to(batch["image"].dtype)[:, None, None, None].expand(-1, *ITEM_SHAPE)
+            assert torch.equal(batch["image"], pixels)
