@@ -170,7 +170,7 @@ class SamplerConfig(_Section):
         default=1.0,
         description="keep a seeded 1/ceil(1/f) of each unit's rows per pass (each row once over that many "
         "passes): the cache spans that many times more units, for that many times the remote reads; auto: "
-        "from the listed size and the budget, so that the cache spans the remote (at most 1/64)",
+        "from the remote's size as cached and the budget, so that an epoch's cache spans the remote (at most 1/64)",
     )
     node_rank: int | None = Field(default=None, ge=0, description="this node's rank; null = GROUP_RANK or 0")
     num_nodes: int | None = Field(
