@@ -124,8 +124,10 @@ class CacheConfig(_Section):
         description="a shard is not evicted before this many epochs used it (with none training, the daemon "
         "fills the budget once and waits: fetching is bounded by training); 0 = rotate regardless",
     )
-    low_watermark: float = Field(
-        default=0.9, gt=0.0, le=1.0, description="once room must be made, evict down to this fraction of max_bytes"
+    low_watermark: Annotated[float, Field(gt=0.0, le=1.0)] | Literal["auto"] = Field(
+        default="auto",
+        description="once room must be made, evict down to this fraction of max_bytes; auto: as low as keeps "
+        "90% of max_bytes in shards for the next epoch",
     )
 
     @field_validator("dir")

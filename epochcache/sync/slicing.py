@@ -27,15 +27,12 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
+from epochcache.cache.publisher import EPOCH_FILL
 from epochcache.config import SamplerConfig
 from epochcache.sources import RemoteObject, Source, Unit
 
 # row_fraction auto never reads the remote more than this many times per byte cached.
 MAX_AUTO_PARTS = 64
-# The share of the budget an epoch trains on in steady state (cache.low_watermark 1, the ledger and
-# the shard being written aside): auto fits one pass's slices in it, so every epoch of a full cache
-# holds a slice of every unit.
-AUTO_FILL = 0.9
 
 
 def parts_of(row_fraction: float) -> int:
@@ -56,9 +53,10 @@ def pass_shape(sampler: SamplerConfig, budget: int, remote_bytes: int | None, ob
     ``cache.max_bytes``) and the pass's listing (``objects``, and ``remote_bytes``: their size as
     cached, :func:`cached_per_listed` times the listed bytes; both this node's share).
 
-    ``row_fraction: auto``: as many slices as the cached size is times :data:`AUTO_FILL` of the
-    budget (at most :data:`MAX_AUTO_PARTS`), so that every epoch of a full cache holds a slice of
-    every unit. ``mix_units: auto``: as many objects as a full cache holds slices of, so one window
+    ``row_fraction: auto``: as many slices (at most :data:`MAX_AUTO_PARTS`) as the cached size is
+    times :data:`~epochcache.cache.publisher.EPOCH_FILL` of the budget, what an epoch of a full
+    cache holds at least (``cache.low_watermark: auto``), so that every epoch of a full cache holds
+    a slice of every unit. ``mix_units: auto``: as many objects as a full cache holds slices of, so one window
     mixes the whole cache. Both are functions of what the listing's header stores, so a restart
     mid-pass finds the same shape. A listing stored without its size (an older version's) gets 1
     slice and 8 objects.
@@ -67,7 +65,7 @@ def pass_shape(sampler: SamplerConfig, budget: int, remote_bytes: int | None, ob
     if sampler.row_fraction != "auto":
         parts = parts_of(sampler.row_fraction)
     else:
-        parts = 1 if size is None else min(MAX_AUTO_PARTS, max(1, math.ceil(size / (AUTO_FILL * budget))))
+        parts = 1 if size is None else min(MAX_AUTO_PARTS, max(1, math.ceil(size / (EPOCH_FILL * budget))))
     if sampler.mix_units != "auto":
         mix = sampler.mix_units
     else:

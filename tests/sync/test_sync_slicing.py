@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from epochcache import Ledger, SyncDaemon
 from epochcache.cache.layout import CacheLayout
+from epochcache.cache.publisher import EPOCH_FILL
 from epochcache.cache.shards import open_shard
 from epochcache.config import Config, SamplerConfig
 from epochcache.sources import RemoteObject, Unit
@@ -22,7 +23,6 @@ from epochcache.sources.parquet import ParquetSource
 from epochcache.sync.daemon import StopReason
 from epochcache.sync.sampler import Cursor, Sampler
 from epochcache.sync.slicing import (
-    AUTO_FILL,
     MAX_AUTO_PARTS,
     PassShape,
     Slicer,
@@ -84,11 +84,11 @@ def _sampler(**values: object) -> SamplerConfig:
 
 def test_auto_shapes_the_pass_so_that_a_full_cache_spans_the_remote() -> None:
     # 200 objects of 1 MB (as cached) for a 25 MB budget: 9 slices, so that one pass's slices (22.2 MB)
-    # fit in what an epoch of a full cache holds (AUTO_FILL 90% of 25 MB = 22.5 MB), and a window of
+    # fit in what an epoch of a full cache holds (EPOCH_FILL, 90% of 25 MB = 22.5 MB), and a window of
     # as many objects as a cache of slices holds: 9 * 25 > 200.
     auto = _sampler(row_fraction="auto", mix_units="auto")
     assert pass_shape(auto, 25_000_000, 200_000_000, 200) == PassShape(parts=9, mix=200)
-    assert 200_000_000 / 9 <= AUTO_FILL * 25_000_000 < 200_000_000 / 8
+    assert 200_000_000 / 9 <= EPOCH_FILL * 25_000_000 < 200_000_000 / 8
     assert pass_shape(auto, 400_000_000, 200_000_000, 200) == PassShape(parts=1, mix=200), "it all fits"
     assert pass_shape(auto, 1_000, 10**12, 5000).parts == MAX_AUTO_PARTS
     assert pass_shape(auto, 25_000_000, None, 200) == PassShape(parts=1, mix=8), "a listing without its size"
