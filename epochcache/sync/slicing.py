@@ -73,16 +73,18 @@ def pass_shape(sampler: SamplerConfig, budget: int, remote_bytes: int | None, ob
     return PassShape(parts, mix)
 
 
-def cached_per_listed(source: Source, obj: RemoteObject) -> float | None:
+def cached_per_listed(source: Source, obj: RemoteObject) -> tuple[float | None, int]:
     """Bytes a cache holds per listed byte of ``obj``, measured by reading its first unit: the unit's
     rows as read (decoded, with their key column) over its share of the object's listed size (by the
-    units' metadata sizes). None for an object without units or size. Raises what ``source`` raises."""
+    units' metadata sizes); and the bytes read (decoded), for the daemon's count of what it fetched.
+    None (0 read) for an object without units or size. Raises what ``source`` raises."""
     units = source.units(obj)
     total = sum(unit.nbytes for unit in units)
     if not units or obj.size <= 0:
-        return None
+        return None, 0
     listed = obj.size * (units[0].nbytes / total if total > 0 else 1 / len(units))
-    return source.read(units[0]).nbytes / listed if listed > 0 else None
+    read = source.read(units[0]).nbytes
+    return (read / listed if listed > 0 else None), read
 
 
 @dataclass(frozen=True)

@@ -143,11 +143,13 @@ class Walk:
             return None
         first = listing[0]
         try:
-            ratio = self.retrier.call(cached_per_listed, stream.source, first, what=f"cached size of {first.path}")
+            ratio, read = self.retrier.call(cached_per_listed, stream.source, first,
+                                            what=f"cached size of {first.path}")
         except SKIPPABLE as exc:
             log.warning("cannot measure the cached size of %s (%s): auto shapes this pass from the listed size",
                         first.path, describe(exc))
             return None
+        self.vitals.fetched(read)  # egress like any read
         until_written(lambda: self.ledger.set_stream_listing(stream.name, {**header, CACHED_PER_LISTED: ratio}),
                       self.stop, "keeping the cached size per listed byte")
         return ratio
