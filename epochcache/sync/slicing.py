@@ -56,10 +56,10 @@ def pass_shape(sampler: SamplerConfig, budget: int, remote_bytes: int | None, ob
     ``row_fraction: auto``: as many slices (at most :data:`MAX_AUTO_PARTS`) as the cached size is
     times :data:`~epochcache.cache.publisher.EPOCH_FILL` of the budget, what an epoch of a full
     cache holds at least (``cache.low_watermark: auto``), so that every epoch of a full cache holds
-    a slice of every unit. ``mix_units: auto``: as many objects as a full cache holds slices of, so one window
-    mixes the whole cache. Both are functions of what the listing's header stores, so a restart
-    mid-pass finds the same shape. A listing stored without its size (an older version's) gets 1
-    slice and 8 objects.
+    a slice of every unit. ``mix_units: auto``: as many objects as a full cache holds slices of, so
+    one window mixes the whole cache. Both are functions of what the listing's header stores, so a
+    restart mid-pass finds the same shape. A listing stored without its size (an older version's)
+    gets 1 slice and 8 objects.
     """
     size = remote_bytes if remote_bytes and objects > 0 else None
     if sampler.row_fraction != "auto":
