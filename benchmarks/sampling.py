@@ -10,7 +10,8 @@ Per setting it prints: distinct labels per batch (and the i.i.d. expectation for
 the whole remote), the correlation of consecutive batches' label histograms (0 for i.i.d. batches),
 coverage and echo after the last epoch (``epochcache.cache.coverage``), and remote bytes read (decoded, as
 the daemon counts them) per byte trained, and the bytes each epoch trained on as a share of the
-budget (epochs after the first). Settings are ``--settings``, each ``name:key=value,...`` of
+budget: over the epochs after the first, and in steady state (the epochs whose snapshot came after
+the cache first filled, and how many). Settings are ``--settings``, each ``name:key=value,...`` of
 ``--set`` overrides.
 
 Then egress with no trainer: the daemon alone, with defaults, on a fresh cache of the same budget,
@@ -67,7 +68,7 @@ def main() -> None:
         print(f"remote: {rows} rows, {args.classes} classes stored sorted, {remote_bytes / 1e6:.1f} MB decoded; "
               f"budget {args.budget:.0%}; {args.epochs} epochs; i.i.d. batches hold {iid:.1f} distinct labels")
         print(f"{'setting':>10} {'labels/batch':>13} {'vs iid':>7} {'corr':>6} {'coverage':>9} {'echo':>6} "
-              f"{'read/trained':>13} {'epoch/budget':>13}")
+              f"{'read/trained':>13} {'epoch/budget':>13} {'steady (epochs)':>16}")
         results = []
         for setting in args.settings.split(";"):
             name, _, pairs = setting.partition(":")
@@ -77,7 +78,8 @@ def main() -> None:
             results.append(result)
             print(f"{name:>10} {result['labels_per_batch']:>13.1f} {result['labels_per_batch'] / iid:>7.2f} "
                   f"{result['correlation']:>+6.2f} {result['coverage'] or 0:>9.1%} {result['echo'] or 0:>6.2f} "
-                  f"{result['read_per_trained']:>13.2f} {result['epoch_bytes_per_budget'] or 0:>13.0%}")
+                  f"{result['read_per_trained']:>13.2f} {result['epoch_bytes_per_budget'] or 0:>13.0%} "
+                  f"{result['steady_epoch_bytes_per_budget'] or 0:>11.0%} ({result['steady_epochs']:>2})")
         no_trainer = None
         if not args.no_egress:
             no_trainer = egress(remote, Path(tmp) / "cache-no-trainer", int(args.budget * remote_bytes))
@@ -150,7 +152,7 @@ def egress(remote: str, cache: Path, budget: int) -> dict[str, Any]:
 def run(remote: str, cache: Path, budget: int, overrides: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
     """Daemon and loader together for ``args.epochs`` epochs; the batch statistics and costs."""
     thread, stop = start_daemon(bench_config(remote, cache, budget, overrides))
-    distinct, correlations, trained_bytes, epoch_bytes = [], [], 0, []
+    distinct, correlations, trained_bytes, epoch_bytes, full = [], [], 0, [], []
     started = time.perf_counter()
     try:
         with EpochCachedLoader(cache, batch_size=BATCH, columns=["label", "payload"], min_samples=budget // (
@@ -167,6 +169,7 @@ def run(remote: str, cache: Path, budget: int, overrides: dict[str, str], args: 
                     trained_bytes += len(labels) * (args.payload + 4)
                 if loader.last_epoch is not None:
                     epoch_bytes.append(loader.last_epoch.bytes)
+                    full.append(made_room(cache))
     finally:
         stop.set()
         thread.join(60)
@@ -183,7 +186,20 @@ def run(remote: str, cache: Path, budget: int, overrides: dict[str, str], args: 
         # the bytes each epoch trained on, as a share of the budget: epochs after the first (which
         # waits for only half a budget: min_samples)
         "epoch_bytes_per_budget": float(np.mean(epoch_bytes[1:]) / budget) if len(epoch_bytes) > 1 else None,
+        # steady state: epochs whose snapshot came after the cache first filled (the daemon had made room
+        # by the end of the epoch before the previous one: the next snapshot is taken before an epoch ends)
+        "steady_epochs": len(steady := [b for b, was_full in zip(epoch_bytes[2:], full) if was_full]),
+        "steady_epoch_bytes_per_budget": float(np.mean(steady) / budget) if steady else None,
     }
+
+
+def made_room(cache: Path) -> bool:
+    """Whether the daemon has made room in ``cache`` yet (evicted or retired a shard): it filled once."""
+    ledger = Ledger(CacheLayout(cache).ledger)
+    try:
+        return ledger.counters().get("evicted", 0) > 0 or ledger.usage().retiring_bytes > 0
+    finally:
+        ledger.close()
 
 
 if __name__ == "__main__":
