@@ -124,8 +124,10 @@ class CacheConfig(_Section):
         description="a shard is not evicted before this many epochs used it (with none training, the daemon "
         "fills the budget once and waits: fetching is bounded by training); 0 = rotate regardless",
     )
-    low_watermark: float = Field(
-        default=0.9, gt=0.0, le=1.0, description="once room must be made, evict down to this fraction of max_bytes"
+    low_watermark: Annotated[float, Field(gt=0.0, le=1.0)] | Literal["auto"] = Field(
+        default="auto",
+        description="once room must be made, evict down to this fraction of max_bytes; auto: as low as keeps "
+        "90% of max_bytes in shards for the next epoch",
     )
 
     @field_validator("dir")
@@ -170,7 +172,7 @@ class SamplerConfig(_Section):
         default=1.0,
         description="keep a seeded 1/ceil(1/f) of each unit's rows per pass (each row once over that many "
         "passes): the cache spans that many times more units, for that many times the remote reads; auto: "
-        "from the listed size and the budget, so that the cache spans the remote (at most 1/64)",
+        "from the remote's size as cached and the budget, so that an epoch's cache spans the remote (at most 1/64)",
     )
     node_rank: int | None = Field(default=None, ge=0, description="this node's rank; null = GROUP_RANK or 0")
     num_nodes: int | None = Field(

@@ -7,6 +7,12 @@ metadata) -> publish its record with the sampler's cursor in one ledger transact
 evicted shards' files. What it is doing (running, backpressure, disk full) is written to the ledger
 for ``epochcache status``.
 
+How much goes once room must be made (``cache.low_watermark``) trades the next epoch's size for
+rotation: a trainer always holds a lease on its epoch's shards, so what a boundary evicts was left
+out of the next epoch, and a cache that epochs always hold rotates that much per epoch. ``auto``
+evicts down to the lowest level that keeps :data:`EPOCH_FILL` of the budget in shards beside the
+shard being written and the ledger: at least the next shard's room, more where the budget has it.
+
 Invariants: the bytes under the cache dir never exceed ``cache.max_bytes`` (the shard being written
 is reserved before its first byte); a shard under a lease is never deleted; a shard that is not fully
 written is never published and its reservation is released; a full disk (ENOSPC) is waited out with
@@ -42,6 +48,9 @@ from epochcache.errors import BudgetError, LedgerFullError
 log = logging.getLogger(__name__)
 
 _BACKPRESSURE_POLL_S = 0.25
+# The share of cache.max_bytes that low_watermark auto keeps in shards when it makes room, so an epoch
+# of a full cache trains on at least this much (where the budget can hold it beside a shard and the ledger).
+EPOCH_FILL = 0.9
 # A full disk is usually freed by someone else, on a human time scale: retry soon, then back off.
 DISK_FULL_FIRST_WAIT_S = 0.5
 DISK_FULL_MAX_WAIT_S = 30.0
@@ -64,7 +73,7 @@ class Publisher:
         """``evict=False`` (``sync --once``): publish only while the budget has free room."""
         self.layout, self.ledger, self.stop, self.evict = layout, ledger, stop, evict
         self.budget = int(cache.max_bytes)
-        self.evict_to = int(cache.max_bytes * cache.low_watermark)
+        self.low_watermark, self.shard_bytes = cache.low_watermark, int(cache.shard_bytes)
         self.policy = policy_named(cache.eviction, cache.max_uses, cache.min_uses)
         self.min_uses = cache.min_uses
         self._state = ""  # the daemon's vitals say "starting" until the first publish says "running"
@@ -152,7 +161,7 @@ class Publisher:
         if usage.quarantined_bytes and usage.total + nbytes + PUBLISH_GROWTH > self.budget:
             purge_quarantine(self.layout, self.ledger)
         while not self.stop.is_set():
-            victims = self.ledger.make_room(nbytes, self.budget, choose, evict_to=self.evict_to)
+            victims = self.ledger.make_room(nbytes, self.budget, choose, evict_to=self._evict_to(nbytes))
             if victims is not None:
                 for victim in victims:
                     self.layout.remove(victim.filename)
@@ -168,6 +177,16 @@ class Publisher:
                                "cache.min_uses: 0 to rotate shards whether or not they were trained on)")
             self.stop.wait(_BACKPRESSURE_POLL_S)
         return None
+
+    def _evict_to(self, nbytes: int) -> int:
+        """The usage (shards, the ``nbytes`` reserved, the ledger) making room for a shard of ``nbytes``
+        brings the cache down to: ``cache.low_watermark`` of the budget; ``auto``: :data:`EPOCH_FILL`
+        of it in shards plus the rest and one shard more (victims are whole shards: they free up to
+        one shard more than asked), at most the budget (then just the next shard's room goes)."""
+        if self.low_watermark != "auto":
+            return int(self.budget * self.low_watermark)
+        rest = nbytes + self.ledger.disk_bytes() + PUBLISH_GROWTH
+        return min(self.budget, int(EPOCH_FILL * self.budget) + self.shard_bytes + rest)
 
     def _wait_for(self, state: str, why: str) -> None:
         """Say once, in the log and the daemon's state, why no room is made yet."""

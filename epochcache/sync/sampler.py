@@ -8,7 +8,11 @@ consecutive units (and so every shard) come from up to ``mix`` different objects
 contiguous slice of the remote. Only the group being walked has its metadata (Parquet footers) read,
 all at once, so nothing beyond object names is listed up front.
 
-Each unit appears exactly once per pass (without replacement); each pass has a fresh order. A
+Each unit appears exactly once per pass (without replacement); each pass has a fresh order, unless
+``same_order`` (row slices, ``sampler.row_fraction`` < 1): then every pass walks pass 0's order, so
+consecutive passes' slices line up and any stretch of one pass's length holds a slice of every unit
+(a cache that straddles two fresh orders holds the union of two random subsets instead, missing up
+to a quarter of the units when it spans one pass). A
 :class:`Cursor` names the next position, so a restarted daemon resumes exactly where the last
 published shard ended: it neither repeats nor skips units.
 """
@@ -63,15 +67,21 @@ class Sampler:
         mix: int = 8,
         node_rank: int = 0,
         num_nodes: int = 1,
+        same_order: bool = False,
     ) -> None:
         self._units_of = units_of
+        self._same_order = same_order
         self._objects = objects
         self._seed, self._mix = seed, mix
         self._rank, self._nodes = node_rank, num_nodes
 
     def node_objects(self, pass_: int) -> np.ndarray:
         """Indices into ``objects`` (int64) of this node's share of pass ``pass_``, in walk order."""
-        return permutation(len(self._objects), self._seed, pass_)[self._rank :: self._nodes]
+        return permutation(len(self._objects), self._seed, self._order(pass_))[self._rank :: self._nodes]
+
+    def _order(self, pass_: int) -> int:
+        """The pass whose order pass ``pass_`` walks: itself, or 0 with ``same_order``."""
+        return 0 if self._same_order else pass_
 
     def walk(self, cursor: Cursor) -> Iterator[tuple[Unit, Cursor]]:
         """Yield ``(unit, cursor after it)`` from ``cursor`` to the end of ``cursor.pass_``."""
@@ -90,7 +100,7 @@ class Sampler:
         """The units of ``members``, each object's permuted, taken round-robin across objects."""
         per_object = self._units_of([self._objects[int(i)] for i in members])
         shuffled = [
-            [units[int(j)] for j in permutation(len(units), self._seed, pass_, int(index))]
+            [units[int(j)] for j in permutation(len(units), self._seed, self._order(pass_), int(index))]
             for index, units in zip(members, per_object)
         ]
         longest = max((len(units) for units in shuffled), default=0)

@@ -8,6 +8,12 @@ and process; pass p reads units whole and keeps slice ``p % parts``. Over ``part
 is cached once; a unit's slice has its own key (``<object>#<index>~<part>``), so a slice is cached
 at most once while the others may be. The price: each row group is read whole for the rows it keeps,
 so the remote bytes read per byte cached grow ``parts`` times.
+
+``auto`` sizes both from the remote's size *as cached*: its listed (stored) bytes times the bytes a
+cache holds per listed byte (decompressed Arrow plus each row's key column), measured once on one
+unit (:func:`cached_per_listed`). Sized from the stored bytes alone, a compressed remote, or one of
+small rows, gets too few slices: a full cache then holds less than one pass's slices and misses
+whole units (and, on a sorted remote, whole classes).
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
+from epochcache.cache.publisher import EPOCH_FILL
 from epochcache.config import SamplerConfig
-from epochcache.sources import Unit
+from epochcache.sources import RemoteObject, Source, Unit
 
 # row_fraction auto never reads the remote more than this many times per byte cached.
 MAX_AUTO_PARTS = 64
@@ -41,26 +48,43 @@ class PassShape:
     mix: int
 
 
-def pass_shape(sampler: SamplerConfig, budget: int, listed_bytes: int | None, objects: int) -> PassShape:
+def pass_shape(sampler: SamplerConfig, budget: int, remote_bytes: int | None, objects: int) -> PassShape:
     """The pass's shape from the settings; ``auto`` ones from ``budget`` (this source's share of
-    ``cache.max_bytes``) and the pass's listing (``listed_bytes`` and ``objects``: this node's share).
+    ``cache.max_bytes``) and the pass's listing (``objects``, and ``remote_bytes``: their size as
+    cached, :func:`cached_per_listed` times the listed bytes; both this node's share).
 
-    ``row_fraction: auto``: as many slices as the stored size is times the budget (at most
-    :data:`MAX_AUTO_PARTS`), so that a full cache holds a slice of every unit. ``mix_units: auto``: as
-    many objects as a full cache holds slices of, so one window mixes the whole cache. Both are
-    functions of the stored listing alone, so a restart mid-pass finds the same shape. A listing
-    stored without its size (an older version's) gets 1 slice and 8 objects.
+    ``row_fraction: auto``: as many slices (at most :data:`MAX_AUTO_PARTS`) as the cached size is
+    times :data:`~epochcache.cache.publisher.EPOCH_FILL` of the budget, what an epoch of a full
+    cache holds at least (``cache.low_watermark: auto``), so that every epoch of a full cache holds
+    a slice of every unit. ``mix_units: auto``: as many objects as a full cache holds slices of, so
+    one window mixes the whole cache. Both are functions of what the listing's header stores, so a
+    restart mid-pass finds the same shape. A listing stored without its size (an older version's)
+    gets 1 slice and 8 objects.
     """
-    size = listed_bytes if listed_bytes and objects > 0 else None
+    size = remote_bytes if remote_bytes and objects > 0 else None
     if sampler.row_fraction != "auto":
         parts = parts_of(sampler.row_fraction)
     else:
-        parts = 1 if size is None else min(MAX_AUTO_PARTS, max(1, math.ceil(size / budget)))
+        parts = 1 if size is None else min(MAX_AUTO_PARTS, max(1, math.ceil(size / (EPOCH_FILL * budget))))
     if sampler.mix_units != "auto":
         mix = sampler.mix_units
     else:
         mix = 8 if size is None else min(1024, objects, max(1, math.ceil(parts * budget * objects / size)))
     return PassShape(parts, mix)
+
+
+def cached_per_listed(source: Source, obj: RemoteObject) -> tuple[float | None, int]:
+    """Bytes a cache holds per listed byte of ``obj``, measured by reading its first unit: the unit's
+    rows as read (decoded, with their key column) over its share of the object's listed size (by the
+    units' metadata sizes); and the bytes read (decoded), for the daemon's count of what it fetched.
+    None (0 read) for an object without units or size. Raises what ``source`` raises."""
+    units = source.units(obj)
+    total = sum(unit.nbytes for unit in units)
+    if not units or obj.size <= 0:
+        return None, 0
+    listed = obj.size * (units[0].nbytes / total if total > 0 else 1 / len(units))
+    read = source.read(units[0]).nbytes
+    return (read / listed if listed > 0 else None), read
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,15 @@ from epochcache.sync.mixing import MixCursor, pick
 from epochcache.sync.notes import until_written
 from epochcache.sync.sampler import Cursor, Sampler
 from epochcache.sync.skips import SKIPPABLE, SkipBook
-from epochcache.sync.slicing import Slicer, pass_shape
+from epochcache.sync.slicing import Slicer, cached_per_listed, pass_shape
 from epochcache.sync.stream import Stream
 from epochcache.sync.vitals import Vitals
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 5.0
+# The listing header's key for the bytes a cache holds per listed byte of the stream (auto's shape).
+CACHED_PER_LISTED = "cached_per_listed"
 
 # A walk item: the stream, its unit (None: the stream's pass ended; its cursor moves to the next
 # pass) and the merged position just past it. Stream None: the walk pauses (every stream idle), so
@@ -95,9 +97,9 @@ class Walk:
             pass_ = cursor.pass_
             node_objects = len(range(rank, len(objects), nodes))
             stream.node_bytes = None if objects.nbytes is None else objects.nbytes // nodes
-            self._shape(stream, pass_, node_objects)
+            self._shape(stream, pass_, objects, node_objects)
             sampler = Sampler(functools.partial(self._units_of, stream, pass_), objects, sampler_config.seed,
-                              mix=stream.mix, node_rank=rank, num_nodes=nodes)
+                              mix=stream.mix, node_rank=rank, num_nodes=nodes, same_order=stream.slicer.parts > 1)
             # The pass before stays known: its last units are still consumed while this one is walked.
             stream.totals = {p: n for p, n in stream.totals.items() if p == pass_ - 1}
             stream.totals[pass_] = len(sampler.node_objects(pass_))
@@ -112,17 +114,45 @@ class Walk:
             if not fetching:
                 stream.idle_until = time.monotonic() + IDLE_POLL_S
 
-    def _shape(self, stream: Stream, pass_: int, objects: int) -> None:
-        """Set the pass's row slices and mixing window (:func:`pass_shape`), saying what ``auto`` chose."""
+    def _shape(self, stream: Stream, pass_: int, listing: PagedListing, objects: int) -> None:
+        """Set the pass's row slices and mixing window (:func:`pass_shape`) for this node's ``objects``
+        of ``listing``, saying what ``auto`` chose."""
         sampler = self.config.sampler
         weights = sum(source.weight for source in self.config.sources)
         budget = max(1, int(int(self.config.cache.max_bytes) * stream.config.weight / weights))
-        shape = pass_shape(sampler, budget, stream.node_bytes, objects)
+        remote_bytes = None
+        if "auto" in (sampler.row_fraction, sampler.mix_units) and stream.node_bytes:
+            ratio = self._cached_per_listed(stream, listing)
+            remote_bytes = round(stream.node_bytes * (ratio or 1.0))
+        shape = pass_shape(sampler, budget, remote_bytes, objects)
         stream.slicer, stream.mix = Slicer(shape.parts, sampler.seed), shape.mix
         if "auto" in (sampler.row_fraction, sampler.mix_units):
-            log.info("source %r, pass %d: %d objects, %s listed for a budget of %d bytes: row_fraction 1/%d, "
-                     "mix_units %d", stream.name or stream.config.url, pass_, objects, stream.node_bytes, budget,
-                     shape.parts, shape.mix)
+            log.info("source %r, pass %d: %d objects, %s listed, about %s as cached, for a budget of %d bytes: "
+                     "row_fraction 1/%d, mix_units %d", stream.name or stream.config.url, pass_, objects,
+                     stream.node_bytes, remote_bytes, budget, shape.parts, shape.mix)
+
+    def _cached_per_listed(self, stream: Stream, listing: PagedListing) -> float | None:
+        """Bytes cached per listed byte of ``stream`` (:func:`cached_per_listed`): measured once on
+        the listing's first object and kept in the listing's header (carried from pass to pass), so
+        every pass and restart shapes from the same value. None (not kept: measured again next pass)
+        if the listing is empty or the read fails."""
+        header = self.ledger.stream_listing(stream.name) or {}
+        if header.get(CACHED_PER_LISTED) is not None:
+            return float(header[CACHED_PER_LISTED])
+        if not len(listing):
+            return None
+        first = listing[0]
+        try:
+            ratio, read = self.retrier.call(cached_per_listed, stream.source, first,
+                                            what=f"cached size of {first.path}")
+        except SKIPPABLE as exc:
+            log.warning("cannot measure the cached size of %s (%s): auto shapes this pass from the listed size",
+                        first.path, describe(exc))
+            return None
+        self.vitals.fetched(read)  # egress like any read
+        until_written(lambda: self.ledger.set_stream_listing(stream.name, {**header, CACHED_PER_LISTED: ratio}),
+                      self.stop, "keeping the cached size per listed byte")
+        return ratio
 
     def _units_of(self, stream: Stream, pass_: int, objects: Sequence[RemoteObject]) -> list[Sequence[Unit]]:
         """The units of ``objects``, their metadata read concurrently. An object whose metadata keeps
@@ -171,7 +201,8 @@ class Walk:
         return None
 
     def _list(self, stream: Stream, pass_: int) -> PagedListing:
-        header = {"order": stream_order(self.config, stream), "pass": pass_}
+        kept = (self.ledger.stream_listing(stream.name) or {}).get(CACHED_PER_LISTED)
+        header = {"order": stream_order(self.config, stream), "pass": pass_, CACHED_PER_LISTED: kept}
         listing = store_listing(self.ledger, stream.source.scan_objects(), header, stream.name)
         log.info("listed %d objects under %s for pass %d", len(listing), stream.source.url, pass_)
         return listing

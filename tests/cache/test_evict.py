@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
+from conftest import make_table, wait_for
 
 from epochcache.cache.evict import POLICIES, Fifo, Lru, MaxUses, MinUses, MostUsed, Random, policy_named
+from epochcache.cache.layout import CacheLayout
 from epochcache.cache.ledger import Ledger, ShardRecord, _choose
+from epochcache.cache.publisher import EPOCH_FILL, Published, Publisher
+from epochcache.config import CacheConfig
 from epochcache.errors import ConfigError
 
 
@@ -161,4 +166,39 @@ def test_indexed_eviction_matches_the_policy_order(tmp_path: Path) -> None:
     for policy in (Fifo(), Lru(), MostUsed(), MaxUses(Lru(), 3), MinUses(Lru(), 2), MinUses(MaxUses(Fifo(), 4), 3)):
         expected = [r.id for r in policy(ledger.shards(), 95)]
         assert [r.id for r in _choose(ledger._db(), policy, 95)] == expected, policy
+    ledger.close()
+
+
+def test_auto_low_watermark_keeps_nine_tenths_of_the_budget_for_the_next_epoch_and_rotates(tmp_path: Path) -> None:
+    """cache.low_watermark auto, under a trainer that always holds its epoch's shards: making room
+    retires more than one shard (the cache keeps rotating at each epoch boundary) but never so much
+    that the next epoch gets less than EPOCH_FILL of the budget; the retired shards go when the
+    lease ends, within the budget, temp files included."""
+    layout = CacheLayout.create(tmp_path / "cache")
+    ledger = Ledger(layout.ledger)
+    cache = CacheConfig.model_validate({"dir": str(layout.root), "max_bytes": 80 * 256 * 1024, "shard_bytes": "256KiB"})
+    assert cache.low_watermark == "auto", "the default"
+    budget, stop, table = int(cache.max_bytes), threading.Event(), make_table(320)
+    filling = Publisher(layout, ledger, cache, stop, evict=False)
+    while filling.publish(table, [f"u{ledger.usage().shards}"], None) is not None:
+        pass
+    ledger.release(ledger.snapshot("epoch-1", ttl_s=60).id)  # every shard used once: cache.min_uses
+    trainer = ledger.snapshot("epoch-2", ttl_s=60)
+    published: list[Published | None] = []
+    writer = threading.Thread(target=lambda: published.append(
+        Publisher(layout, ledger, cache, stop).publish(table, ["new"], None)))
+    writer.start()
+    try:
+        wait_for(lambda: ledger.usage().retiring_bytes)
+        shard = trainer.shards[0].nbytes
+        assert ledger.usage().retiring_bytes >= 2 * shard, "more than the next shard's room goes"
+        probe = ledger.snapshot("epoch-3", ttl_s=60)
+        ledger.release(probe.id)
+        assert sum(r.nbytes for r in probe.shards) >= EPOCH_FILL * budget
+        assert not published, "the retired shards are leased: the publish waits"
+    finally:
+        ledger.release(trainer.id)
+        writer.join(30)
+    assert published and published[0] is not None and len(published[0].evicted) >= 2
+    assert sum(f.stat().st_size for f in layout.root.rglob("*") if f.is_file()) <= budget
     ledger.close()

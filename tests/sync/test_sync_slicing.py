@@ -15,11 +15,21 @@ from pydantic import ValidationError
 
 from epochcache import Ledger, SyncDaemon
 from epochcache.cache.layout import CacheLayout
+from epochcache.cache.publisher import EPOCH_FILL
 from epochcache.cache.shards import open_shard
 from epochcache.config import Config, SamplerConfig
 from epochcache.sources import RemoteObject, Unit
+from epochcache.sources.parquet import ParquetSource
 from epochcache.sync.daemon import StopReason
-from epochcache.sync.slicing import MAX_AUTO_PARTS, PassShape, Slicer, parts_of, pass_shape
+from epochcache.sync.sampler import Cursor, Sampler
+from epochcache.sync.slicing import (
+    MAX_AUTO_PARTS,
+    PassShape,
+    Slicer,
+    cached_per_listed,
+    parts_of,
+    pass_shape,
+)
 
 
 @pytest.mark.parametrize(("fraction", "parts"), [(1.0, 1), (0.5, 2), (0.3, 4), (0.25, 4), (0.01, 100)])
@@ -73,10 +83,12 @@ def _sampler(**values: object) -> SamplerConfig:
 
 
 def test_auto_shapes_the_pass_so_that_a_full_cache_spans_the_remote() -> None:
-    # 200 objects of 1 MB for a 25 MB budget: 8 slices (a full cache holds a slice of every unit's
-    # rows), and a window of as many objects as a cache of slices holds: 8 * 25 = 200.
+    # 200 objects of 1 MB (as cached) for a 25 MB budget: 9 slices, so that one pass's slices (22.2 MB)
+    # fit in what an epoch of a full cache holds (EPOCH_FILL, 90% of 25 MB = 22.5 MB), and a window of
+    # as many objects as a cache of slices holds: 9 * 25 > 200.
     auto = _sampler(row_fraction="auto", mix_units="auto")
-    assert pass_shape(auto, 25_000_000, 200_000_000, 200) == PassShape(parts=8, mix=200)
+    assert pass_shape(auto, 25_000_000, 200_000_000, 200) == PassShape(parts=9, mix=200)
+    assert 200_000_000 / 9 <= EPOCH_FILL * 25_000_000 < 200_000_000 / 8
     assert pass_shape(auto, 400_000_000, 200_000_000, 200) == PassShape(parts=1, mix=200), "it all fits"
     assert pass_shape(auto, 1_000, 10**12, 5000).parts == MAX_AUTO_PARTS
     assert pass_shape(auto, 25_000_000, None, 200) == PassShape(parts=1, mix=8), "a listing without its size"
@@ -102,3 +114,65 @@ def test_auto_slices_a_remote_larger_than_the_budget(tmp_path: Path, make_config
     # Half of each 16-row group (none is empty but with odds of 2**-16), where whole groups fill it at 6.
     assert len({i // 16 for i in ids}) == 8, "a slice of every row group"
     assert report.reason is StopReason.EXHAUSTED, "the pass's slices fit in the budget"
+
+
+def test_with_slices_every_pass_walks_the_same_order(tmp_path: Path) -> None:
+    """Consecutive passes' slices line up: the units a cache of one pass's length misses at the end of
+    one pass are the first of the next, so it holds a slice of every unit; fresh orders (whole units)
+    would leave it the union of two random subsets."""
+    root = str(tmp_path / "remote")
+    write_parquet_dataset(fsspec.filesystem("file"), root, 6, 64, 8)
+    source = ParquetSource(root)
+    objects = source.list_objects()
+
+    def order(same_order: bool, pass_: int) -> list[str]:
+        sampler = Sampler(lambda objs: [source.units(obj) for obj in objs], objects, seed=3, mix=2,
+                          same_order=same_order)
+        return [unit.key for unit, _ in sampler.walk(Cursor(pass_=pass_))]
+
+    assert order(True, 0) == order(True, 1) == order(True, 7) == order(False, 0)
+    assert order(False, 1) != order(False, 0) and sorted(order(False, 1)) == sorted(order(False, 0))
+
+
+def _compressible_remote(root: Path) -> None:
+    """4 files of 2 row groups of 64 rows: ids and 16 KiB of zeros each, zstd-compressed to almost nothing."""
+    root.mkdir()
+    for number in range(4):
+        ids = np.arange(number * 128, (number + 1) * 128)
+        payload = pa.array([bytes(16 * 1024)] * len(ids), pa.binary())
+        pq.write_table(pa.table({"id": ids, "payload": payload}), root / f"part-{number}.parquet",
+                       row_group_size=64, compression="zstd")
+
+
+def test_the_cached_size_per_listed_byte_is_measured_on_a_unit(tmp_path: Path) -> None:
+    _compressible_remote(tmp_path / "remote")
+    source = ParquetSource(str(tmp_path / "remote"))
+    obj = source.list_objects()[0]
+    unit = source.units(obj)[0]
+    ratio, read = cached_per_listed(source, obj)
+    assert ratio is not None and ratio > 20, "zeros compress: the cache holds far more than the listing says"
+    # the unit's share of the object: half of it (two equal row groups), so the ratio is its rows as read over that
+    assert read == source.read(unit).nbytes and ratio == pytest.approx(read / (obj.size / 2), rel=0.01)
+
+
+def test_auto_slices_by_the_size_as_cached_not_as_stored(
+    tmp_path: Path, make_config: Callable[..., Config]
+) -> None:
+    """8 MB of rows stored in a few KB: sized by the listing, a 4 MB budget would cache whole units and
+    fill with half of them; sized as cached, it takes slices of every unit."""
+    _compressible_remote(tmp_path / "remote")
+    config = make_config(str(tmp_path / "remote"), **{
+        "cache.max_bytes": "4MB", "cache.shard_bytes": "256KB", "sampler.row_fraction": "auto",
+        "sampler.mix_units": "auto"})
+    SyncDaemon(config, progress=False).run(once=True)
+    ledger = Ledger(CacheLayout(Path(config.cache.dir)).ledger)
+    try:
+        ratio = (ledger.stream_listing("") or {}).get("cached_per_listed")
+        units = {unit for record in ledger.shards() for unit in record.units}
+    finally:
+        ledger.close()
+    assert ratio is not None and ratio > 20, "measured once and kept with the listing, for every pass and restart"
+    assert {unit.rsplit("#", 1)[0] for unit in units} == {str(tmp_path / "remote" / f"part-{n}.parquet")
+                                                        for n in range(4)}
+    assert len({unit.rsplit("~", 1)[0] for unit in units}) == 8, "a slice of every row group"
+    assert all("~" in unit for unit in units) and len(_cached_ids(config)) < 0.5 * 512
