@@ -1,6 +1,8 @@
 """Every random order in epochcache comes from here, seeded by a tuple of non-negative words.
 
-The sampler uses ``(seed, pass)`` and ``(seed, pass, object)``; the loader uses ``(seed, epoch)``.
+The sampler uses ``(seed, pass)`` and ``(seed, pass, object)`` (pass 0's words for every pass when
+``sampler.row_fraction`` slices the units, so consecutive passes' slices line up); the loader uses
+``(seed, epoch)``.
 """
 
 from __future__ import annotations

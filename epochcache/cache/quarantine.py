@@ -26,12 +26,16 @@ def quarantine_shard(layout: CacheLayout, ledger: Ledger, record: ShardRecord, r
     """Move ``record``'s file to the quarantine and its record with it; False if it was gone already.
 
     Safe against a daemon that evicts the same shard meanwhile: the file moves first, then the
-    record, and a record already evicted means the quarantined file is deleted at once.
+    record, and a record already evicted means the quarantined file is deleted at once. Safe against
+    a second quarantiner (an epoch and the background verifier finding the same shard): the one that
+    finds the file already moved leaves the record to the one that moved it.
     """
     target = layout.quarantine / record.filename
     try:
         (layout.shards / record.filename).replace(target)
     except FileNotFoundError:
+        if target.exists():
+            return False  # another quarantiner moved it; it moves the record too
         ledger.drop([record.id])  # evicted meanwhile, or the file vanished: nothing to keep
         log.warning("shard %s has no file (%s); its record is dropped", record.id, reason)
         return False

@@ -145,6 +145,19 @@ def test_checksums_find_and_quarantine_corrupt_shard(layout: CacheLayout, ledger
     assert check(layout, ledger, checksums=True) == Repairs()
 
 
+def test_a_second_quarantiner_leaves_the_record_to_the_first(layout: CacheLayout, ledger: Ledger) -> None:
+    """An epoch and the background verifier can find the same bad shard: the one that finds the file
+    already moved must not drop the record the other is about to quarantine (its bytes stay charged)."""
+    bad = publish_shard(layout, ledger, "bad", 1.0)
+    (layout.shards / bad.filename).replace(layout.quarantine / bad.filename)  # the first one's rename
+    assert not quarantine_shard(layout, ledger, bad, "second")
+    assert [r.id for r in ledger.shards()] == ["bad"]  # still there for the first one to move
+    assert ledger.quarantine(bad.id, "first") is not None  # the first one's record move
+    assert [q.record.id for q in ledger.quarantined()] == ["bad"]
+    assert ledger.usage().quarantined_bytes == bad.nbytes
+    assert check(layout, ledger) == Repairs()
+
+
 def test_quarantine_debris_is_repaired(layout: CacheLayout, ledger: Ledger) -> None:
     a = publish_shard(layout, ledger, "a", 1.0)
     b = publish_shard(layout, ledger, "b", 2.0)
