@@ -159,6 +159,8 @@ def epochcache_first_batch(args: argparse.Namespace) -> float:
 
 
 def _dataloader(dataset: Any, args: argparse.Namespace, loader_class: Any = None) -> Any:
+    """The system's DataLoader (``loader_class``, default torch's) with the shared collate, its workers
+    kept across epochs (each peer's fastest setting here)."""
     from torch.utils.data import DataLoader
 
     return (loader_class or DataLoader)(dataset, batch_size=args.batch, num_workers=args.workers,

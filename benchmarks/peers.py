@@ -5,7 +5,10 @@ The samples: ``--count`` (20,000) random, incompressible byte strings of ``--siz
 stamped with its index in its first 8 bytes, plus an int64 label (the index). Each system gets them in
 its own format, uploaded to the server under its own prefix: epochcache Arrow IPC files (a ``binary``
 column, or a ``fixed_size_list<uint8>`` one for the "tensor" row), LitData ``litdata.optimize`` chunks,
-WebDataset tar shards, Streaming MDS shards; files, chunks and shards of ``--shard-mb`` (64) each.
+WebDataset tar shards, Streaming MDS shards; files, chunks and shards of ``--shard-mb`` (16) each, and
+epochcache's ``cache.shard_bytes`` the same. (At 64 MiB, LitData 0.2.76's second epoch hung here every
+time, one worker spinning in system calls, with or without persistent workers and with a 4 GiB budget;
+``--child-timeout`` kills such a run and the table says so.)
 
 What each system does: every system delivers the same batch, ``{"image": uint8 tensor (64, size),
 "label": int64 tensor (64,)}``. The peers yield each sample's raw bytes and label, and one collate
@@ -36,27 +39,32 @@ Each run is one child process per system (imports and PSS separate), on a fresh,
 - epoch gap: median time from an epoch's last batch to the next one's first, between warm epochs;
 - peak PSS: the child's whole process tree (workers, the daemon, curl pipes), sampled every ~0.2 s by
   this process with ``epochcache.tools.pss``;
-- budget: each system is given ``--budget-mb`` where it has a knob (epochcache ``cache.max_bytes``,
-  LitData ``max_cache_size``, WebDataset ``cache_size``, Streaming ``cache_limit``); the bytes of the
-  files under its cache dir are summed every ~0.05 s and the peak compared to it;
+- budget: each system is given ``--budget-mb`` (default 1.25x the samples' bytes) where it has a knob
+  (epochcache ``cache.max_bytes``, LitData ``max_cache_size``, WebDataset ``cache_size``, Streaming
+  ``cache_limit``); the bytes of the files under its cache dir are summed every ~0.05 s and the peak
+  over all rounds compared to it;
 - client CPU per sample: user + system CPU of the child's process tree per sample delivered, per phase,
   read from ``/proc`` while the child waits at the phase boundary.
 
 Rounds (``--rounds``, 3) run every system once each, the order rotated each round so that load drifts
-hit all alike; the table shows medians. Peers that are not installed are skipped with a line saying so.
+hit all alike; the table shows medians, then epochcache's best row against the best peer's per measure. Peers
+that are not installed are skipped with a line saying so.
 
-Install the peers in their own venv (never in the project's), torch's CPU build first::
+Install the peers in their own venv (never in the project's), torch's CPU build first, then epochcache,
+then the peers pinned to what epochcache resolved: unpinned, torchvision (through LitData) brings a
+CUDA torch and pip backtracks over botocore for minutes. From the repository root::
 
-    python3 -m venv /work/peers-venv
-    /work/peers-venv/bin/pip install torch==2.13.0
-    /work/peers-venv/bin/pip install -e '.[test]' litdata webdataset mosaicml-streaming
-    /work/peers-venv/bin/python benchmarks/peers.py [--count 20000] [--size 12288] [--rounds 3]
-        [--warm-epochs 3] [--workers 2] [--shard-mb 64] [--budget-mb N] [--systems epochcache,litdata,...]
+    python3 -m venv ../peers && ../peers/bin/pip install torch==2.13.0
+    ../peers/bin/pip install -e '.[test]'
+    ../peers/bin/pip freeze | grep -iE '^(torch|numpy|pyarrow|botocore|boto3|aiobotocore|s3fs|moto)==' > ../pins.txt
+    ../peers/bin/pip install -c ../pins.txt litdata webdataset mosaicml-streaming
+    ../peers/bin/python benchmarks/peers.py [--count 20000] [--size 12288] [--rounds 3] [--warm-epochs 3]
+        [--workers 2] [--shard-mb 16] [--budget-mb N] [--systems epochcache,litdata,...] [--child-timeout 600]
 
-If pip then wants another torch (torchvision does, through LitData), pass a constraints file holding
-``torch==2.13.0``. mosaicml-streaming imports torchvision for its image datasets only; without a
-torchvision that loads, the Streaming child puts a stand-in module in its place (see
-``peer_samples._torchvision``).
+numpy 2.x leaves mosaicml-streaming at 0.10.0 (later releases want numpy < 2.2). Its ``__init__``
+imports torchvision, for its image datasets only; where the torchvision pip chose does not load (a
+CUDA build beside the CPU torch: ``pip uninstall torchvision`` then, LitData runs without it), the
+Streaming child puts a stand-in module in its place (see ``peer_samples._torchvision``).
 
 Files: this one runs the rounds and measures from outside; ``peer_child.py`` is one system's process;
 ``peer_samples.py`` holds the samples, the shared batch packing and each system's writer.
@@ -70,6 +78,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -181,6 +190,8 @@ def run_variant(variant: Variant, args: argparse.Namespace, endpoint: str, work:
                                      stdout=subprocess.PIPE, text=True, env=env)
     watcher = Watcher(child_process.pid, cache)
     watcher.start()
+    timer = threading.Timer(args.child_timeout, kill_tree, [child_process.pid])
+    timer.start()
     cpu: dict[str, float] = {}
     result: dict[str, Any] | None = None
     try:
@@ -195,11 +206,26 @@ def run_variant(variant: Variant, args: argparse.Namespace, endpoint: str, work:
                 sys.stderr.write(line)
     finally:
         code = child_process.wait()
+        timer.cancel()
         watcher.stop()
         shutil.rmtree(cache, ignore_errors=True)
-    if code != 0 or result is None:
-        raise RuntimeError(f"{variant.name}: the child exited with {code} (its error is above)")
+    if result is None:  # a system that hangs or fails is a result too: the rounds go on
+        why = f"no result in {args.child_timeout:.0f} s, killed" if timer.finished.is_set() else f"exit code {code}"
+        why += f" after phase {list(cpu)[-1]}" if cpu else " before the start"
+        print(f"{variant.name}: failed ({why}); its output is above", file=sys.stderr)
+        return {"failed": why, "peak_pss_bytes": watcher.peak_pss, "peak_cache_bytes": watcher.peak_cache}
     return summarise(result, cpu, watcher, args)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and its descendants (a child that hangs past ``--child-timeout``)."""
+    from epochcache.tools.pss import process_tree
+
+    for member in reversed(process_tree(pid)):
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:  # it ended meanwhile
+            continue
 
 
 def summarise(result: dict[str, Any], cpu: dict[str, float], watcher: Watcher,
@@ -249,14 +275,18 @@ def upload_all(prefixes: list[str], endpoint: str, work: Path, args: argparse.Na
         shutil.rmtree(local)
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def available(args: argparse.Namespace) -> list[Variant]:
+    """The rows of ``--systems`` whose package imports here; a line for each system skipped."""
+    rows = variants(args)
+    for system in sorted({v.system for v in rows if not installed(v.system)}):
+        print(f"{system}: not installed, skipped (pip install {INSTALL.get(system, system)})")
+    return [v for v in rows if installed(v.system)]
+
+
+def measure(rows: list[Variant], args: argparse.Namespace) -> dict[str, Any]:
     """Write and upload the data, then the interleaved rounds; every row's medians and raw rounds."""
     from s3server import moto_server
 
-    rows = variants(args)
-    for system in sorted({v.system for v in rows} - {s for s in PACKAGES if installed(s)}):
-        print(f"{system}: not installed, skipped (pip install {INSTALL.get(system, system)})")
-    rows = [v for v in rows if installed(v.system)]
     runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in rows}
     with moto_server() as endpoint, tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         upload_all(sorted({v.prefix for v in rows}), endpoint, Path(tmp), args)
@@ -268,11 +298,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def medians(results: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = [k for k, v in results[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    out: dict[str, Any] = {k: statistics.median(r[k] for r in results) for k in keys if
-                           all(r[k] is not None for r in results)}
-    out["exact_epochs"] = sum(r["exact_epochs"] for r in results)
-    out["epochs"] = sum(r["epochs"] for r in results)
+    """Each measure's median over the rounds that gave a result, the cache's peak over all rounds, and
+    the count of exact epochs; empty if no round gave a result."""
+    done = [r for r in results if "failed" not in r]
+    if not done:
+        return {}
+    keys = [k for k, v in done[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in done) for k in keys if
+                           all(r[k] is not None for r in done)}
+    out["peak_cache_bytes_max"] = max(r["peak_cache_bytes"] for r in results)
+    out["exact_epochs"] = sum(r["exact_epochs"] for r in done)
+    out["epochs"] = sum(r["epochs"] for r in done)
     return out
 
 
@@ -283,14 +319,20 @@ def table(summary: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [head]
     for name, entry in summary.items():
         m = entry["median"]
+        failed = [r["failed"] for r in entry["rounds"] if "failed" in r]
+        if not m:
+            lines.append(f"{name:<28}failed in every round: {'; '.join(sorted(set(failed)))}")
+            continue
         gap = f"{m['epoch_gap_ms']:.2f}" if "epoch_gap_ms" in m else "-"
         lines.append(
             f"{name:<28}{m['cold_samples_per_s']:>8.0f}{m['cold_samples_per_s'] * sample_mb:>7.0f}"
             f"{m['warm_samples_per_s']:>9.0f}{m['warm_samples_per_s'] * sample_mb:>7.0f}{m['first_batch_s']:>9.2f}s"
             f"{gap:>8}{m['batch_interval_ms']:>8.2f}{m['peak_pss_bytes'] / 2**20:>8.0f}"
-            f"{m['peak_cache_bytes'] / 2**20:>9.0f}{'kept' if m['peak_cache_bytes'] <= args.budget else 'OVER':>7}"
+            f"{m['peak_cache_bytes'] / 2**20:>9.0f}{'kept' if m['peak_cache_bytes_max'] <= args.budget else 'OVER':>7}"
             f"{m['cold_cpu_us_per_sample']:>8.0f} /{m['warm_cpu_us_per_sample']:>5.0f}"
             f"  {m['exact_epochs']}/{m['epochs']}{'' if m['exact_epochs'] == m['epochs'] else ' wrong'}"
+            + (f"  ({len(failed)} of {len(entry['rounds'])} rounds failed: {'; '.join(sorted(set(failed)))})"
+               if failed else "")
         )
     return "\n".join(lines)
 
@@ -330,13 +372,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians shown (default 3)")
     parser.add_argument("--warm-epochs", type=int, default=3, help="warm epochs per run (default 3)")
-    parser.add_argument("--shard-mb", type=int, default=64, help="MiB per file, chunk or shard (default 64)")
+    parser.add_argument("--shard-mb", type=int, default=16,
+                        help="MiB per file, chunk or shard, for every system (default 16: LitData's second epoch "
+                             "hung at 64)")
     parser.add_argument("--budget-mb", type=int, default=None,
                         help="local cache budget, MiB (default: 1.25x the samples' bytes, room for one copy)")
     parser.add_argument("--systems", default=",".join(PACKAGES), help="comma-separated (default: all)")
     parser.add_argument("--dir", default=None, help="work folder for the caches (default: the temp folder)")
+    parser.add_argument("--child-timeout", type=float, default=600.0,
+                        help="seconds before a system's run is killed and counted as failed (default 600)")
     parser.add_argument("--out", default=str(RESULTS), help=f"JSON results file (default {RESULTS})")
     args = parser.parse_args(argv)
+    for name, least in (("count", 1), ("size", 8), ("batch", 1), ("rounds", 1), ("warm_epochs", 1), ("shard_mb", 1)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} is below its least value {least}"
+                         + (" (the first 8 bytes carry the sample's index)" if name == "size" else ""))
     args.systems = args.systems.split(",")
     unknown = sorted(set(args.systems) - set(PACKAGES))
     if unknown:
@@ -347,8 +397,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
+    rows = available(args)
+    if not rows:
+        print("nothing to measure: no system of --systems is installed")
+        return {}
     load = [os.getloadavg()[0]]
-    summary = measure(args)
+    summary = measure(rows, args)
     load.append(os.getloadavg()[0])
     print(f"peers: {args.count} samples x {args.size} B, batch {args.batch}, medians of {args.rounds} interleaved "
           f"rounds, {args.warm_epochs} warm epochs each, budget {args.budget / 2**20:.0f} MiB, "
