@@ -151,8 +151,10 @@ def _torchvision() -> None:
             del sys.modules[name]
     import torch.utils.data
 
-    stand_in = {"torchvision": {}, "torchvision.datasets": {"VisionDataset": torch.utils.data.Dataset},
-                "torchvision.transforms": {}, "torchvision.transforms.functional": {"to_tensor": None}}
+    stand_in: dict[str, dict[str, Any]] = {
+        "torchvision": {}, "torchvision.datasets": {"VisionDataset": torch.utils.data.Dataset},
+        "torchvision.transforms": {}, "torchvision.transforms.functional": {"to_tensor": None},
+    }
     for name, attributes in stand_in.items():
         module = types.ModuleType(name)
         module.__dict__.update(attributes)

@@ -54,17 +54,18 @@ Install the peers in their own venv (never in the project's), torch's CPU build 
 then the peers pinned to what epochcache resolved: unpinned, torchvision (through LitData) brings a
 CUDA torch and pip backtracks over botocore for minutes. From the repository root::
 
-    python3 -m venv ../peers && ../peers/bin/pip install torch==2.13.0
-    ../peers/bin/pip install -e '.[test]'
-    ../peers/bin/pip freeze | grep -iE '^(torch|numpy|pyarrow|botocore|boto3|aiobotocore|s3fs|moto)==' > ../pins.txt
-    ../peers/bin/pip install -c ../pins.txt litdata webdataset mosaicml-streaming
-    ../peers/bin/python benchmarks/peers.py [--count 20000] [--size 12288] [--rounds 3] [--warm-epochs 3]
+    python3 -m venv ~/peers-venv && ~/peers-venv/bin/pip install torch==2.13.0
+    ~/peers-venv/bin/pip install -e '.[test]'
+    ~/peers-venv/bin/pip freeze | grep -iE '^(torch|numpy|pyarrow|botocore|boto3|aiobotocore|s3fs|moto)==' \
+        > ~/peers-pins.txt
+    ~/peers-venv/bin/pip install -c ~/peers-pins.txt litdata webdataset mosaicml-streaming
+    ~/peers-venv/bin/python benchmarks/peers.py [--count 20000] [--size 12288] [--rounds 3] [--warm-epochs 3]
         [--workers 2] [--shard-mb 16] [--budget-mb N] [--systems epochcache,litdata,...] [--child-timeout 600]
 
 numpy 2.x leaves mosaicml-streaming at 0.10.0 (later releases want numpy < 2.2). Its ``__init__``
-imports torchvision, for its image datasets only; where the torchvision pip chose does not load (a
-CUDA build beside the CPU torch: ``pip uninstall torchvision`` then, LitData runs without it), the
-Streaming child puts a stand-in module in its place (see ``peer_samples._torchvision``).
+imports torchvision, for its image datasets only; where the torchvision pip chose does not load (on
+this project's machines, a CUDA build beside the CPU torch), the Streaming child puts a stand-in
+module in its place (see ``peer_samples._torchvision``). LitData and WebDataset do not import it.
 
 Files: this one runs the rounds and measures from outside; ``peer_child.py`` is one system's process;
 ``peer_samples.py`` holds the samples, the shared batch packing and each system's writer.
