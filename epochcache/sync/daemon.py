@@ -250,7 +250,7 @@ class _Run:
         """Hand ``building`` to the writer as one shard with the cursor just past its last unit."""
         cursor = {**building.cursor.to_dict(), "progress": self._progress(building.cursor)}
         self.vitals.flush()  # the bytes fetched for this shard are counted before an epoch can hold it
-        return self.writer.submit(building.rows(), building.units, cursor)
+        return self.writer.submit(building.rows, building.units, cursor)
 
     def _shard_target(self) -> int:
         """Bytes at which the shard being built is published: ``cache.shard_bytes``, except that an
