@@ -13,6 +13,7 @@ per batch before any data.
 from __future__ import annotations
 
 import functools
+import mmap
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,7 +59,11 @@ class ArrowSource(FileSource):
     def read(self, unit: Unit) -> pa.Table:
         footer = self._footer(unit.obj)
         start, end = footer.blocks[unit.index]
-        data = pa.py_buffer(self._remote.fetch(unit.obj, start, end))
+        # The batch streams into an anonymous mapping and is decoded in place: its columns are views
+        # of the bytes as they came off the socket (no copy on the way).
+        image = mmap.mmap(-1, max(1, end - start))
+        self._remote.fetch_into(unit.obj, start, memoryview(image)[: end - start])
+        data = pa.py_buffer(image)[: end - start]
         try:
             batch = pa.ipc.read_record_batch(pa.ipc.read_message(data), footer.schema)
             batch.validate(full=True)  # offsets, lengths, UTF-8: damage pyarrow would otherwise read past
