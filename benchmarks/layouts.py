@@ -32,26 +32,33 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = (3, 64, 64)
 
 
-def layouts(rows_per_group: int) -> dict[str, tuple[str, Callable[[np.ndarray, np.ndarray, Path], None]]]:
-    """Name -> (format, writer of (images, labels, path))."""
-    def tensor(images: np.ndarray, labels: np.ndarray) -> pa.Table:
-        return pa.table({"image": pa.FixedShapeTensorArray.from_numpy_ndarray(images), "label": labels})
+Writer = Callable[[pa.Table, Path], None]
+Builder = Callable[[np.ndarray, np.ndarray], pa.Table]
 
-    def binary(images: np.ndarray, labels: np.ndarray) -> pa.Table:
-        return tensor_table({"image": images, "label": labels})
 
+def tensor(images: np.ndarray, labels: np.ndarray) -> pa.Table:
+    """The image as Arrow's fixed-shape tensor type."""
+    return pa.table({"image": pa.FixedShapeTensorArray.from_numpy_ndarray(images), "label": labels})
+
+
+def binary(images: np.ndarray, labels: np.ndarray) -> pa.Table:
+    """The image as fixed-size binary with its shape in the field metadata (the recommended layout)."""
+    return tensor_table({"image": images, "label": labels})
+
+
+def layouts(group: int) -> dict[str, tuple[str, Builder, Writer]]:
+    """Name -> (format, table builder, writer of a table to a path), ``group`` rows per unit."""
     return {
-        "parquet fixed_shape_tensor, plain": ("parquet", lambda i, l, p: pq.write_table(
-            tensor(i, l), p, row_group_size=rows_per_group, compression="none", use_dictionary=False)),
-        "parquet fixed_shape_tensor, pyarrow defaults": ("parquet", lambda i, l, p: pq.write_table(
-            tensor(i, l), p, row_group_size=rows_per_group)),
-        "parquet fixed-size binary + shape (recommended)": ("parquet", lambda i, l, p: write_parquet(
-            binary(i, l), p, rows_per_group)),
-        "parquet fixed-size binary + shape, snappy": ("parquet", lambda i, l, p: pq.write_table(
-            binary(i, l), p, row_group_size=rows_per_group, use_dictionary=["label"], write_page_checksum=True)),
-        "arrow IPC fixed_shape_tensor": ("arrow", lambda i, l, p: write_arrow(tensor(i, l), p, rows_per_group)),
-        "arrow IPC fixed-size binary + shape": ("arrow", lambda i, l, p: write_arrow(binary(i, l), p,
-                                                                                      rows_per_group)),
+        "parquet fixed_shape_tensor, plain": ("parquet", tensor, lambda t, p: pq.write_table(
+            t, p, row_group_size=group, compression="none", use_dictionary=False)),
+        "parquet fixed_shape_tensor, pyarrow defaults": ("parquet", tensor, lambda t, p: pq.write_table(
+            t, p, row_group_size=group)),
+        "parquet fixed-size binary + shape (recommended)": ("parquet", binary, lambda t, p: write_parquet(
+            t, p, group)),
+        "parquet fixed-size binary + shape, snappy": ("parquet", binary, lambda t, p: pq.write_table(
+            t, p, row_group_size=group, use_dictionary=["label"], write_page_checksum=True)),
+        "arrow IPC fixed_shape_tensor": ("arrow", tensor, lambda t, p: write_arrow(t, p, group)),
+        "arrow IPC fixed-size binary + shape": ("arrow", binary, lambda t, p: write_arrow(t, p, group)),
     }
 
 
@@ -86,13 +93,13 @@ def main() -> None:
         :, None, None, None]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for number, (name, (kind, write)) in enumerate(layouts(args.rows_per_group).items()):
+        for number, (name, (kind, build, write)) in enumerate(layouts(args.rows_per_group).items()):
             folder = Path(tmp) / str(number)
             folder.mkdir()
             suffix = ".parquet" if kind == "parquet" else ".arrow"
             files = 4
             for part, chunk in enumerate(np.array_split(np.arange(args.samples), files)):
-                write(images[chunk], labels[chunk], folder / f"part-{part}{suffix}")
+                write(build(images[chunk], labels[chunk]), folder / f"part-{part}{suffix}")
             nbytes = sum(p.stat().st_size for p in folder.iterdir())
             cpu_us, _ = measure(kind, folder, args.samples, args.repeats)
             rows.append({"layout": name, "bytes_per_sample": round(nbytes / args.samples),
@@ -101,7 +108,8 @@ def main() -> None:
     print(f"{'layout':<{width}} | bytes/sample | x raw | read CPU µs/sample")
     print(f"{'-' * width}-|--------------|-------|-------------------")
     for r in rows:
-        print(f"{r['layout']:<{width}} | {r['bytes_per_sample']:>12} | {r['bytes_vs_raw']:>5} | {r['cpu_us_per_sample']:>18}")
+        print(f"{r['layout']:<{width}} | {r['bytes_per_sample']:>12} | {r['bytes_vs_raw']:>5} | "
+              f"{r['cpu_us_per_sample']:>18}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "layouts.json").write_text(json.dumps({"samples": args.samples, "shape": SHAPE, "rows": rows},
                                                      indent=2) + "\n")

@@ -13,7 +13,6 @@ per batch before any data.
 from __future__ import annotations
 
 import functools
-import mmap
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import pyarrow.compute as pc
 
 from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
-from epochcache.sources.remote import FileSource
+from epochcache.sources.remote import FileSource, blank_image
 
 _SUFFIXES = (".arrow", ".feather", ".ipc")
 _MAGIC = b"ARROW1"
@@ -61,7 +60,7 @@ class ArrowSource(FileSource):
         start, end = footer.blocks[unit.index]
         # The batch streams into an anonymous mapping and is decoded in place: its columns are views
         # of the bytes as they came off the socket (no copy on the way).
-        image = mmap.mmap(-1, max(1, end - start))
+        image = blank_image(end - start)
         self._remote.fetch_into(unit.obj, start, memoryview(image)[: end - start])
         data = pa.py_buffer(image)[: end - start]
         try:

@@ -13,7 +13,6 @@ there, verifying page CRCs where the file has them (written with
 from __future__ import annotations
 
 import functools
-import mmap
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +24,7 @@ from fsspec.parquet import AlreadyBufferedFile
 
 from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
-from epochcache.sources.remote import FileSource
+from epochcache.sources.remote import FileSource, blank_image
 
 _SUFFIXES = (".parquet", ".parq")
 # pyarrow reads this much of the tail in its first footer read; serving it from one GET keeps
@@ -65,7 +64,7 @@ class ParquetSource(FileSource):
         # The file's bytes up to the unit's last one, at their offsets, in an anonymous mapping:
         # only the pages the GETs write are ever backed by memory, the body streams straight into
         # them, and pyarrow decodes from the mapping in place (no copy between the socket and the decode).
-        image = mmap.mmap(-1, max((end for _, end in runs), default=1))
+        image = blank_image(max((end for _, end in runs), default=1))
         view = memoryview(image)
         for start, end in runs:
             self._remote.fetch_into(unit.obj, start, view[start:end])

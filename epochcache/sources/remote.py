@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import mmap
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar, overload
@@ -103,6 +104,16 @@ def _precondition_failed(exc: BaseException) -> bool:
     response = getattr(cause, "response", None) or {}
     return bool(response.get("Error", {}).get("Code") == "PreconditionFailed"
                 or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412)
+
+
+def blank_image(size: int) -> mmap.mmap:
+    """``size`` bytes of private anonymous memory to read a unit's bytes into (:meth:`RemoteFiles.fetch_into`):
+    only the pages written are ever backed by memory (so an image of a whole file costs only the
+    ranges fetched), in 2 MiB pages where the kernel offers them (1/512 of the page faults)."""
+    image = mmap.mmap(-1, max(1, size), flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only
+        image.madvise(mmap.MADV_HUGEPAGE)
+    return image
 
 
 class RemoteFiles:
