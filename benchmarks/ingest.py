@@ -9,10 +9,16 @@ the same run against the same server, measure:
 - ingest: ``SyncDaemon.run(once=True)`` with ``sampler.concurrency = --concurrency`` into a fresh
   cache with room for everything: list, footers, GETs, decode, shard write (fsync) and publish.
 
-MB/s counts the same remote bytes (the row groups' spans) in both, 10**6 bytes per MB. Prints a table
-and writes JSON to ``benchmarks/results/ingest.json``. Usage: ``python benchmarks/ingest.py
-[--size-mb 500] [--row-group-mb 8] [--file-mb 64] [--concurrency 8] [--rounds 3]``; ceiling and ingest
-are measured in interleaved rounds and the medians reported, as other load on the machine varies.
+MB/s counts the same remote bytes (the row groups' spans) in both, 10**6 bytes per MB. Ceiling and
+ingest are measured in interleaved rounds and the medians reported, as other load on the machine varies.
+
+Then, once per remote format (the same samples as Parquet and as Arrow IPC, one record batch per row
+group), ``epochcache sync --once`` runs as a process of its own with 64 MB shards: its peak PSS
+(:mod:`epochcache.tools.pss`, sampled every 20 ms) and its CPU time per sample cached (user + system,
+from the kernel's accounting of the finished process, start-up and imports included).
+
+Prints a table and writes JSON to ``benchmarks/results/ingest.json``. Usage: ``python
+benchmarks/ingest.py [--size-mb 500] [--row-group-mb 8] [--file-mb 64] [--concurrency 8] [--rounds 3]``.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +43,9 @@ import s3fs
 from s3server import moto_server
 
 from epochcache import SyncDaemon, SyncReport, load_config
+from epochcache.cache.layout import CacheLayout
+from epochcache.cache.ledger import Ledger
+from epochcache.tools.pss import tree_pss_bytes
 
 SAMPLE_BYTES = 16 * 1024
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -63,6 +75,7 @@ def run(endpoint: str, args: argparse.Namespace) -> dict[str, object]:
     fs.mkdir("bench")
     spans = upload(fs, "bench/data", args)
     remote_bytes = sum(end - start for _, start, end in spans)
+    arrow_from_parquet(fs, "bench/data", "bench/arrow")
     ceilings, ingests, report = [], [], None
     for _ in range(args.rounds):  # interleaved, so load from elsewhere on the machine hits both alike
         ceilings.append(raw_gets(fs, spans, args.concurrency))
@@ -77,6 +90,8 @@ def run(endpoint: str, args: argparse.Namespace) -> dict[str, object]:
         "ingest_s_rounds": [round(s, 2) for s in ingests], "ceiling_s_rounds": [round(s, 2) for s in ceilings],
         "cache_parent": args.cache_parent or tempfile.gettempdir(),
         "units_published": report.units_published, "samples_published": report.samples_published,
+        "daemon_process": {kind: daemon_process(options, kind, url, remote_bytes, args.concurrency, args.cache_parent)
+                           for kind, url in (("parquet", "s3://bench/data"), ("arrow", "s3://bench/arrow"))},
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
     }
 
@@ -97,6 +112,52 @@ def ingest_once(
     if report.units_published == 0:
         raise RuntimeError("the daemon published nothing: the benchmark measured no ingest")
     return seconds, report
+
+
+def daemon_process(
+    options: dict[str, object], kind: str, url: str, remote_bytes: int, concurrency: int, cache_parent: str | None
+) -> dict[str, float]:
+    """``epochcache sync --once`` of ``url`` as a process: its peak PSS (MB), CPU s and CPU µs per sample."""
+    with tempfile.TemporaryDirectory(dir=cache_parent) as cache:
+        config = Path(cache) / "config.json"  # JSON is YAML: the storage options keep their nesting
+        config.write_text(json.dumps({
+            "source": {"url": url, "format": kind, "storage_options": options},
+            "cache": {"dir": str(Path(cache) / "c"), "max_bytes": int(remote_bytes * 1.5) + 64 * 10**6,
+                      "shard_bytes": "64MB"},
+            "sampler": {"concurrency": concurrency},
+        }))
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        daemon = subprocess.Popen([sys.executable, "-m", "epochcache", "sync", "-c", str(config), "--once",
+                                   "--no-progress"])
+        peak = 0
+        while daemon.poll() is None:
+            peak = max(peak, tree_pss_bytes(daemon.pid))
+            time.sleep(0.02)  # a sampling period, not a synchronisation
+        seconds = time.perf_counter() - start
+        # The exit status and CPU times of the finished child, from the kernel (children's rusage).
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+        if daemon.returncode != 0:
+            raise RuntimeError(f"epochcache sync --once of {url} exited {daemon.returncode}")
+        ledger = Ledger(CacheLayout.create(Path(cache) / "c").ledger)
+        samples = ledger.usage().rows
+        ledger.close()
+    return {"peak_pss_mb": round(peak / 2**20, 1), "cpu_s": round(cpu, 2),
+            "cpu_us_per_sample": round(cpu / samples * 1e6, 1),
+            "samples": samples, "seconds": round(seconds, 2)}
+
+
+def arrow_from_parquet(fs: s3fs.S3FileSystem, source: str, target: str) -> None:
+    """Each Parquet file of ``source`` rewritten as an Arrow IPC file under ``target``, one record
+    batch per row group (the same samples, so both formats are measured on equal data)."""
+    for path in sorted(fs.ls(source)):
+        with fs.open(path, "rb") as f:
+            parquet = pq.ParquetFile(f)
+            name = path.rsplit("/", 1)[1].replace(".parquet", ".arrow")
+            with fs.open(f"{target}/{name}", "wb") as out, pa.ipc.new_file(out, parquet.schema_arrow) as writer:
+                for index in range(parquet.num_row_groups):
+                    writer.write_table(parquet.read_row_group(index))
 
 
 def upload(fs: s3fs.S3FileSystem, root: str, args: argparse.Namespace) -> list[tuple[str, int, int]]:
@@ -153,6 +214,9 @@ def print_table(result: dict[str, object]) -> None:
             ("ceiling: raw concurrent GETs (MB/s)", f"{result['ceiling_mb_s']} ({result['ceiling_s']} s)"),
             ("ingest: SyncDaemon --once (MB/s)", f"{result['ingest_mb_s']} ({result['ingest_s']} s)"),
             ("ingest / ceiling", f"{result['ratio']:.1%}"),
+            *((f"sync --once process, {kind}: peak PSS MB; CPU s; µs/sample",
+               f"{d['peak_pss_mb']}; {d['cpu_s']}; {d['cpu_us_per_sample']} ({d['samples']} samples, {d['seconds']} s)")
+              for kind, d in result["daemon_process"].items()),
             ("cache dirs under", result["cache_parent"]),
             ("machine", result["machine"])]
     width = max(len(name) for name, _ in rows)

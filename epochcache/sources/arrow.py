@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 
 from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
-from epochcache.sources.remote import FileSource
+from epochcache.sources.remote import FileSource, blank_image
 
 _SUFFIXES = (".arrow", ".feather", ".ipc")
 _MAGIC = b"ARROW1"
@@ -58,7 +58,11 @@ class ArrowSource(FileSource):
     def read(self, unit: Unit) -> pa.Table:
         footer = self._footer(unit.obj)
         start, end = footer.blocks[unit.index]
-        data = pa.py_buffer(self._remote.fetch(unit.obj, start, end))
+        # The batch streams into an anonymous mapping and is decoded in place: its columns are views
+        # of the bytes as they came off the socket (no copy on the way).
+        image = blank_image(end - start)
+        self._remote.fetch_into(unit.obj, start, memoryview(image)[: end - start])
+        data = pa.py_buffer(image)[: end - start]
         try:
             batch = pa.ipc.read_record_batch(pa.ipc.read_message(data), footer.schema)
             batch.validate(full=True)  # offsets, lengths, UTF-8: damage pyarrow would otherwise read past

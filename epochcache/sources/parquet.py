@@ -4,8 +4,9 @@ Flow: ``list_objects`` lists ``*.parquet``/``*.parq`` under the URL (or the one 
 ``units`` reads an object's footer (one ranged GET of its tail, a second only for footers over
 64 KiB; over a network the footer's bytes are read once more, see :meth:`RemoteFiles.confirm`) and
 caches the parsed metadata; ``read`` fetches the wanted column chunks of one row group,
-one ranged GET per run of neighbouring chunks (a single GET when all columns are wanted), and
-decodes them with pyarrow, verifying page CRCs where the file has them (written with
+one ranged GET per run of neighbouring chunks (a single GET when all columns are wanted), each body
+streamed into place in a file-offset image of the object, and decodes them with pyarrow from
+there, verifying page CRCs where the file has them (written with
 ``write_page_checksum=True``): a damaged unit raises :class:`CorruptObjectError`, never wrong rows.
 """
 
@@ -23,7 +24,7 @@ from fsspec.parquet import AlreadyBufferedFile
 
 from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
-from epochcache.sources.remote import FileSource
+from epochcache.sources.remote import FileSource, blank_image
 
 _SUFFIXES = (".parquet", ".parq")
 # pyarrow reads this much of the tail in its first footer read; serving it from one GET keeps
@@ -59,9 +60,15 @@ class ParquetSource(FileSource):
         """The row group's rows; a damaged page (a CRC mismatch where the file has page checksums, a
         decompression or decoding failure) raises :class:`CorruptObjectError` naming the unit."""
         metadata = self._metadata(unit.obj)
-        parts = {(start, end): self._remote.fetch(unit.obj, start, end)
-                 for start, end in self._byte_ranges(metadata, unit)}
-        f = _buffered(unit.obj.path, unit.obj.size, parts)
+        runs = self._byte_ranges(metadata, unit)
+        # The file's bytes up to the unit's last one, at their offsets, in an anonymous mapping:
+        # only the pages the GETs write are ever backed by memory, the body streams straight into
+        # them, and pyarrow decodes from the mapping in place (no copy between the socket and the decode).
+        image = blank_image(max((end for _, end in runs), default=1))
+        view = memoryview(image)
+        for start, end in runs:
+            self._remote.fetch_into(unit.obj, start, view[start:end])
+        f = pa.BufferReader(pa.py_buffer(view))
         try:
             # pre_buffer/use_threads off: the bytes are in memory already, and no pyarrow I/O or CPU
             # pool thread may outlive the read (one alive at interpreter exit aborts it: exit 134)

@@ -34,9 +34,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import mmap
 import re
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, TypeVar, overload
 
 import fsspec
 import fsspec.asyn
@@ -46,6 +47,7 @@ from epochcache.sources.base import RemoteObject
 from epochcache.sources.retry import TruncatedReadError, describe
 
 _PAGE = 1000  # objects per listing page: S3's own page size
+_T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 _PLAIN_MD5 = re.compile(r'^"?([0-9a-f]{32})"?$')
@@ -102,6 +104,16 @@ def _precondition_failed(exc: BaseException) -> bool:
     response = getattr(cause, "response", None) or {}
     return bool(response.get("Error", {}).get("Code") == "PreconditionFailed"
                 or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412)
+
+
+def blank_image(size: int) -> mmap.mmap:
+    """``size`` bytes of private anonymous memory to read a unit's bytes into (:meth:`RemoteFiles.fetch_into`):
+    only the pages written are ever backed by memory (so an image of a whole file costs only the
+    ranges fetched), in 2 MiB pages where the kernel offers them (1/512 of the page faults)."""
+    image = mmap.mmap(-1, max(1, size), flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only
+        image.madvise(mmap.MADV_HUGEPAGE)
+    return image
 
 
 class RemoteFiles:
@@ -218,17 +230,57 @@ class RemoteFiles:
             raise TruncatedReadError(f"{self._url(obj.path)}: got {len(data)} of {obj.size} bytes")
         return data
 
-    def _read(self, obj: RemoteObject, start: int, end: int, whole: bool) -> bytes:
+    def fetch_into(self, obj: RemoteObject, start: int, out: memoryview) -> None:
+        """Bytes ``[start, start + len(out))`` of the listed version of ``obj`` written into ``out`` in
+        one ranged read, as they arrive over S3 (no copy of the whole range is made on the way);
+        exactly that many or an error, like :meth:`fetch`."""
+        got = len(self._read(obj, start, start + len(out), False, out))
+        if got != len(out):
+            raise TruncatedReadError(f"{self._url(obj.path)} bytes {start}-{start + len(out)}: got {got} bytes")
+
+    @overload
+    def _read(self, obj: RemoteObject, start: int, end: int, whole: bool) -> bytes: ...
+    @overload
+    def _read(self, obj: RemoteObject, start: int, end: int, whole: bool, into: memoryview) -> memoryview: ...
+
+    def _read(
+        self, obj: RemoteObject, start: int, end: int, whole: bool, into: memoryview | None = None
+    ) -> bytes | memoryview:
+        """Every request of a source goes through here: bytes ``[start, end)`` (``whole``: the whole
+        object, see :meth:`fetch_whole`), returned, or written into ``into`` (``end - start`` long)
+        and the part of it filled returned; errors translated (see the module docstring)."""
+        return self._guarded(obj, lambda: self._read_unguarded(obj, start, end, whole, into))
+
+    def _read_unguarded(
+        self, obj: RemoteObject, start: int, end: int, whole: bool, into: memoryview | None
+    ) -> bytes | memoryview:
+        if self._s3 and into is not None:
+            got, reply = fsspec.asyn.sync(self.fs.loop, self._s3_get_into, obj, start, into)
+            self._check_served(obj, reply)
+            if got > len(into):
+                raise TruncatedReadError(f"{self._url(obj.path)} bytes {start}-{end}: the store sent more "
+                                         "than asked (it ignored the range)")
+            return into[:got]
+        if self._s3:
+            data = self._s3_read(obj, start, end, whole)
+        elif self._local:
+            self._check_local(obj)
+            data = bytes(self.fs.cat_file(obj.path, start=start, end=end))
+            self._check_local(obj)
+        else:
+            data = bytes(self.fs.cat_file(obj.path, start=start, end=end))
+        if into is None:
+            return data
+        # fsspec offers no read into a buffer here: one copy of the bytes read
+        filled = into[: min(len(data), len(into))]
+        filled[:] = data[: len(filled)]
+        return filled if len(data) <= len(into) else data
+
+    def _guarded(self, obj: RemoteObject, read: Callable[[], _T]) -> _T:
+        """``read()``, its errors translated (see the module docstring)."""
         url = self._url(obj.path)
         try:
-            if self._s3:
-                return self._s3_read(obj, start, end, whole)
-            if self._local:
-                self._check_local(obj)
-                data = self.fs.cat_file(obj.path, start=start, end=end)
-                self._check_local(obj)
-                return bytes(data)
-            return bytes(self.fs.cat_file(obj.path, start=start, end=end))
+            return read()
         except FileNotFoundError as exc:
             raise ObjectMissingError(f"{url} is gone (deleted since it was listed?): {describe(exc)}") from exc
         except PermissionError as exc:
@@ -248,10 +300,7 @@ class RemoteFiles:
 
     def _s3_read(self, obj: RemoteObject, start: int, end: int, whole: bool) -> bytes:
         data, reply = fsspec.asyn.sync(self.fs.loop, self._s3_get, obj, start, end, whole)
-        # A store that ignores If-Match serves another version without a word: its reply names it.
-        served = reply.get("ETag")
-        if obj.etag and served and _bare(served) != _bare(obj.etag):
-            raise self._changed(obj, f"its ETag went from {obj.etag} to {served}")
+        self._check_served(obj, reply)
         if whole and len(data) == obj.size and self._etags_are_md5:
             md5 = _PLAIN_MD5.match(str(reply.get("ETag", "")))
             encrypted = reply.get("ServerSideEncryption") in _ETAG_NOT_MD5 or reply.get("SSECustomerAlgorithm")
@@ -269,9 +318,15 @@ class RemoteFiles:
                             md5.group(1), self.url)
         return data
 
-    async def _s3_get(self, obj: RemoteObject, start: int, end: int, whole: bool) -> tuple[bytes, dict[str, Any]]:
-        """One GetObject, pinned by If-Match. A whole object pinned so is asked for without a Range:
-        S3 sends (and botocore checks) its ``x-amz-checksum-*`` only for an unranged GET."""
+    def _check_served(self, obj: RemoteObject, reply: dict[str, Any]) -> None:
+        """A store that ignores If-Match serves another version without a word: its reply names it."""
+        served = reply.get("ETag")
+        if obj.etag and served and _bare(served) != _bare(obj.etag):
+            raise self._changed(obj, f"its ETag went from {obj.etag} to {served}")
+
+    def _s3_request(self, obj: RemoteObject, start: int, end: int, whole: bool) -> dict[str, Any]:
+        """GetObject's arguments, pinned by If-Match. A whole object pinned so is asked for without a
+        Range: S3 sends (and botocore checks) its ``x-amz-checksum-*`` only for an unranged GET."""
         bucket, key, _ = self.fs.split_path(obj.path)
         request: dict[str, Any] = {"Bucket": bucket, "Key": key}
         unranged = (whole and obj.etag) or (start == 0 and obj.size == 0)  # an empty object has no byte to range
@@ -279,12 +334,33 @@ class RemoteFiles:
             request["Range"] = f"bytes={start}-{end - 1}"
         if obj.etag:
             request["IfMatch"] = obj.etag
-        reply = await self.fs._call_s3("get_object", **request)
+        return request
+
+    async def _s3_get(self, obj: RemoteObject, start: int, end: int, whole: bool) -> tuple[bytes, dict[str, Any]]:
+        """One GetObject (:meth:`_s3_request`): its body and its reply."""
+        reply = await self.fs._call_s3("get_object", **self._s3_request(obj, start, end, whole))
         try:
             data = await reply["Body"].read()
         finally:
             reply["Body"].close()
         return data, reply
+
+    async def _s3_get_into(self, obj: RemoteObject, start: int, out: memoryview) -> tuple[int, dict[str, Any]]:
+        """One ranged GetObject whose body is written into ``out`` as it arrives: the bytes sent (one
+        past ``len(out)`` if the store sent more, having ignored the range) and the reply."""
+        reply = await self.fs._call_s3("get_object", **self._s3_request(obj, start, start + len(out), False))
+        body, got = reply["Body"], 0
+        try:
+            while got < len(out):
+                count = await body.readinto(out[got:])
+                if count == 0:
+                    break
+                got += count
+            if got == len(out) and await body.read(1):
+                got += 1
+        finally:
+            body.close()
+        return got, reply
 
     def _check_local(self, obj: RemoteObject) -> None:
         if obj.etag is not None:

@@ -36,7 +36,12 @@ class Building:
         self.nbytes += table.nbytes
 
     def rows(self) -> pa.Table:
-        return pa.concat_tables(self.tables)
+        """The shard's rows as one chunk per column (a shard file holds one record batch), copied
+        once from the units' tables; those are let go here, so the units and the shard are not
+        both held while the shard is written."""
+        rows = pa.concat_tables(self.tables).combine_chunks()
+        self.tables = []
+        return rows
 
 
 def screen(table: pa.Table) -> tuple[pa.Table, int]:

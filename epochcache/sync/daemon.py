@@ -44,6 +44,7 @@ from typing import Any
 import pyarrow as pa
 from tqdm import tqdm
 
+from epochcache.cache.columns import shaped
 from epochcache.cache.layout import CacheLayout
 from epochcache.cache.ledger import Ledger, ShardRecord
 from epochcache.cache.ledger_schema import Connect, connect
@@ -224,11 +225,12 @@ class _Run:
         return StopReason.EXHAUSTED
 
     def _add(self, building: Building, stream: Stream, unit: Unit, table: pa.Table) -> bool:
-        """Add a unit's rows, first publishing what is built if they would overflow the shard. Rows
-        with a null in a fixed-width column are dropped (counted). Raises :class:`SourceError` if its
+        """Add a unit's rows, first publishing what is built if they would overflow the shard. Columns
+        whose field metadata names a shape become tensor columns (:func:`shaped`); rows with a null
+        in a fixed-width column are dropped (counted). Raises :class:`SourceError` if its
         columns differ from the rows before it, :class:`DatasetMismatchError` if from the rows cached."""
         self.binding.check(stream.name, unit.key, table.schema)
-        table, dropped = screen(table)
+        table, dropped = screen(shaped(table))
         if dropped:
             log.warning("%s: dropped %d rows with a null in a fixed-width column", unit.key, dropped)
             self.report.rows_dropped += dropped
@@ -250,7 +252,7 @@ class _Run:
         """Hand ``building`` to the writer as one shard with the cursor just past its last unit."""
         cursor = {**building.cursor.to_dict(), "progress": self._progress(building.cursor)}
         self.vitals.flush()  # the bytes fetched for this shard are counted before an epoch can hold it
-        return self.writer.submit(building.rows(), building.units, cursor)
+        return self.writer.submit(building.rows, building.units, cursor)
 
     def _shard_target(self) -> int:
         """Bytes at which the shard being built is published: ``cache.shard_bytes``, except that an

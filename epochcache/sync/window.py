@@ -29,13 +29,17 @@ _Slot = tuple[Stream | None, Unit | None, MixCursor, Future[pa.Table] | None]
 
 
 class FetchWindow:
-    """Keeps up to ``2 * concurrency`` reads in flight (one while ``first_shard()``: an empty cache's
-    first unit then has the machine to itself); a pause of the walk drains the window."""
+    """Keeps up to ``concurrency`` units in flight (one while ``first_shard()``: an empty cache's
+    first unit then has the machine to itself); a pause of the walk drains the window.
+
+    A unit counts from its submission until the daemon takes its rows, so a read that finished out
+    of order still holds its slot: the daemon's memory holds at most ``concurrency`` units' tables
+    (plus the shard being built), however slow the head of the window is."""
 
     def __init__(self, pool: ThreadPoolExecutor, retrier: Retrier, claims: Claims, skips: SkipBook,
                  intake: Intake, concurrency: int, first_shard: Callable[[], bool], stop: threading.Event) -> None:
         self.pool, self.retrier, self.claims, self.skips, self.intake = pool, retrier, claims, skips, intake
-        self.full, self.first_shard, self.stop = 2 * concurrency, first_shard, stop
+        self.full, self.first_shard, self.stop = concurrency, first_shard, stop
 
     def fetched(self, walk: Iterator[Item]) -> Generator[Fetched, None, None]:
         """Yield walk items in order with their table; unread futures are cancelled on the way out."""

@@ -22,9 +22,9 @@ from epochcache.cache.publisher import Published, Publisher
 from epochcache.sync.claims import Claims
 from epochcache.sync.report import SyncReport
 
-# Shards handed to the writer thread and not yet published: enough to keep fetching while one is
-# written and the next waits, few enough that memory stays ~ (2 + this) * cache.shard_bytes.
-WRITES_QUEUED = 2
+# Shards handed to the writer thread and not yet published: one is written while the next is built
+# from the units being fetched, so memory holds at most two shards (the one written, the one built).
+WRITES_QUEUED = 1
 
 
 class ShardWriter:
@@ -37,13 +37,14 @@ class ShardWriter:
         self.pending: deque[Future[Published | None]] = deque()
         self.refused = threading.Event()  # set by the writer thread once a shard was not published
 
-    def submit(self, table: pa.Table, units: list[str], cursor: dict[str, Any]) -> bool:
+    def submit(self, rows: Callable[[], pa.Table], units: list[str], cursor: dict[str, Any]) -> bool:
         """Hand one shard to the writer thread, once fewer than ``WRITES_QUEUED`` wait there; False if
-        a shard before it was not published (stopped, or the budget is full)."""
+        a shard before it was not published (stopped, or the budget is full). ``rows`` gives the
+        shard's rows; it is called only then, so the copy it makes is never held while waiting."""
         while len(self.pending) >= WRITES_QUEUED:
             if not self._settle_one():
                 return False
-        self.pending.append(self.executor.submit(self._write, table, units, cursor))
+        self.pending.append(self.executor.submit(self._write, rows(), units, cursor))
         return True
 
     def settle(self) -> bool:

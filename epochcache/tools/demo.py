@@ -1,7 +1,9 @@
 """``epochcache demo``: the whole product on one machine, no cloud account needed.
 
 1. Generates (once) a local Parquet "remote" of image-like samples: a 3x64x64 uint8 tensor and an
-   int64 label that the image's brightness encodes, so a small model can learn it.
+   int64 label that the image's brightness encodes, so a small model can learn it. The image is
+   stored in the fast layout (:mod:`epochcache.sources.layouts`): a fixed-size binary column with
+   its shape in the field metadata, uncompressed, no dictionary, page checksums.
 2. Writes a config.yaml for it whose budget is about half the remote, and starts
    ``epochcache sync`` on it as a background process (with a read-rate cap, so the cache visibly grows).
 3. Trains a small CNN with EpochCachedLoader and prints one row per epoch: shards, samples, cache
@@ -22,13 +24,13 @@ from typing import TextIO
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import yaml
 
 from epochcache.cache.layout import CacheLayout
 from epochcache.cache.ledger import Ledger
 from epochcache.config import load_config
 from epochcache.errors import LoaderError
+from epochcache.sources.layouts import tensor_table, write_parquet
 from epochcache.tools.status import human_bytes
 
 IMAGE_SHAPE = (3, 64, 64)
@@ -47,7 +49,8 @@ def generate_remote(path: Path, samples: int, seed: int = 0) -> Path:
     """
     rows_per_group = max(1, min(MAX_ROWS_PER_GROUP, samples // MIN_GROUPS))
     rows_per_file = GROUPS_PER_FILE * rows_per_group
-    params = {"samples": samples, "seed": seed, "rows_per_file": rows_per_file, "rows_per_group": rows_per_group}
+    params = {"samples": samples, "seed": seed, "rows_per_file": rows_per_file, "rows_per_group": rows_per_group,
+              "layout": "fixed-size binary + shape"}
     marker = path / _MARKER
     if marker.exists() and json.loads(marker.read_text()) == params:
         return path
@@ -56,8 +59,8 @@ def generate_remote(path: Path, samples: int, seed: int = 0) -> Path:
     tmp.mkdir(parents=True)
     rng = np.random.default_rng(seed)
     for number, start in enumerate(range(0, samples, rows_per_file)):
-        pq.write_table(_samples(rng, min(rows_per_file, samples - start)), tmp / f"part-{number:05d}.parquet",
-                       row_group_size=rows_per_group)
+        write_parquet(_samples(rng, min(rows_per_file, samples - start)), tmp / f"part-{number:05d}.parquet",
+                      rows_per_group)
     (tmp / _MARKER).write_text(json.dumps(params))
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
@@ -68,10 +71,7 @@ def _samples(rng: np.random.Generator, n: int) -> pa.Table:
     labels = rng.integers(0, CLASSES, n)
     noise = rng.integers(0, 128, (n, *IMAGE_SHAPE), dtype=np.uint8)
     images = noise + (labels * 12).astype(np.uint8)[:, None, None, None]
-    return pa.table({
-        "image": pa.FixedShapeTensorArray.from_numpy_ndarray(images),
-        "label": pa.array(labels, pa.int64()),
-    })
+    return tensor_table({"image": images, "label": labels.astype(np.int64)})
 
 
 def write_config(folder: Path, remote: Path, remote_bytes: int) -> Path:

@@ -97,10 +97,10 @@ class CallCounter:
     def __init__(self, inner: Callable[..., bytes]) -> None:
         self.inner, self.calls, self.requested = inner, 0, 0
 
-    def __call__(self, obj: RemoteObject, start: int, end: int, whole: bool) -> bytes:
+    def __call__(self, obj: RemoteObject, start: int, end: int, whole: bool, *into: memoryview) -> bytes:
         self.calls += 1
         self.requested += end - start
-        return self.inner(obj, start, end, whole)
+        return self.inner(obj, start, end, whole, *into)
 
 
 @pytest.fixture(params=FORMATS, ids=lambda f: f.name)

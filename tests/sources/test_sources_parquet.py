@@ -32,8 +32,8 @@ class RangeSpy:
         self.inner = inner
         self.calls: list[tuple[str, int | None, int | None, int]] = []
 
-    def __call__(self, obj: RemoteObject, start: int, end: int, whole: bool) -> bytes:
-        data = self.inner(obj, start, end, whole)
+    def __call__(self, obj: RemoteObject, start: int, end: int, whole: bool, *into: memoryview) -> bytes:
+        data = self.inner(obj, start, end, whole, *into)
         self.calls.append((obj.path, start, end, len(data)))
         return data
 
