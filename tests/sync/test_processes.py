@@ -69,14 +69,17 @@ def _started(ledger: Ledger, pid: int) -> bool:
 
 
 def _bytes_under(root: Path) -> int:
-    total = 0
+    """Bytes of the files under ``root``, each inode once: a listing that races a rename (the shard's
+    temp file to its name) can see one file under both names, which is not twice the bytes on disk."""
+    sizes: dict[tuple[int, int], int] = {}
     for folder, _, names in os.walk(root):
         for name in names:
             try:
-                total += os.lstat(os.path.join(folder, name)).st_size
+                stat = os.lstat(os.path.join(folder, name))
             except FileNotFoundError:
                 continue  # deleted between the listing and the stat
-    return total
+            sizes[stat.st_dev, stat.st_ino] = stat.st_size
+    return sum(sizes.values())
 
 
 @pytest.mark.slow
