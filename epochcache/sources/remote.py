@@ -47,6 +47,7 @@ from epochcache.sources.base import RemoteObject
 from epochcache.sources.retry import TruncatedReadError, describe
 
 _PAGE = 1000  # objects per listing page: S3's own page size
+_CHUNK = 1 << 20  # bytes of a GET body copied into a unit's image at a time
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
@@ -352,10 +353,12 @@ class RemoteFiles:
         body, got = reply["Body"], 0
         try:
             while got < len(out):
-                count = await body.readinto(out[got:])
-                if count == 0:
+                # read(n), not readinto: every aiobotocore has it (readinto came late, and copies as well)
+                chunk = await body.read(min(len(out) - got, _CHUNK))
+                if not chunk:
                     break
-                got += count
+                out[got:got + len(chunk)] = chunk
+                got += len(chunk)
             if got == len(out) and await body.read(1):
                 got += 1
         finally:
