@@ -130,6 +130,7 @@ def _epochcache_loader(args: argparse.Namespace, cache: Path, min_samples: int) 
 def epochcache_epochs(args: argparse.Namespace) -> Iterator[Iterable[Batch]]:
     """Daemon (``run(once=True)``) and loader started together; the first epoch waits for every sample."""
     daemon = _start_daemon(args, Path(args.cache), once=True)
+    print(f"DAEMON {daemon.pid}", flush=True)  # so the parent measures the daemon's PSS apart from the trainer's
     with _epochcache_loader(args, Path(args.cache), args.count) as loader:
         yield _then_join(loader, daemon)
         while True:

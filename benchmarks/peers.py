@@ -37,8 +37,9 @@ Each run is one child process per system (imports and PSS separate), on a fresh,
   for the whole dataset, so its first batch is measured apart, after the warm epochs, from another empty
   cache with the daemon and a loader started together, without ``min_samples``;
 - epoch gap: median time from an epoch's last batch to the next one's first, between warm epochs;
-- peak PSS: the child's whole process tree (workers, the daemon, curl pipes), sampled every ~0.2 s by
-  this process with ``epochcache.tools.pss``;
+- peak PSS: the child's whole process tree (workers, the daemon, curl pipes), and for epochcache its
+  daemon apart from the trainer and its workers, sampled every ~0.2 s by this process with
+  ``epochcache.tools.pss``;
 - budget: each system is given ``--budget-mb`` (default 1.25x the samples' bytes) where it has a knob
   (epochcache ``cache.max_bytes``, LitData ``max_cache_size``, WebDataset ``cache_size``, Streaming
   ``cache_limit``); the bytes of the files under its cache dir are summed every ~0.05 s and the peak
@@ -153,12 +154,15 @@ def folder_bytes(root: Path) -> int:
 
 
 class Watcher(threading.Thread):
-    """Peak PSS of a process tree (every 4th tick) and peak bytes under a cache dir (every 0.05 s)."""
+    """Peak PSS of a process tree (every 4th tick) and peak bytes under a cache dir (every 0.05 s).
+    Once ``daemon_pid`` is set (epochcache's sync daemon, a child of the tree), also the peaks of the
+    daemon's PSS and of the rest of the tree (the trainer and its workers), taken at the same ticks."""
 
     def __init__(self, pid: int, cache: Path):
         super().__init__(daemon=True)
         self.pid, self.cache = pid, cache
-        self.peak_pss = self.peak_cache = 0
+        self.peak_pss = self.peak_cache = self.peak_daemon_pss = self.peak_trainer_pss = 0
+        self.daemon_pid: int | None = None
         self._done = threading.Event()
 
     def run(self) -> None:
@@ -168,7 +172,12 @@ class Watcher(threading.Thread):
         while not self._done.wait(0.05):
             self.peak_cache = max(self.peak_cache, folder_bytes(self.cache))
             if tick % 4 == 0:
-                self.peak_pss = max(self.peak_pss, tree_pss_bytes(self.pid))
+                whole = tree_pss_bytes(self.pid)
+                self.peak_pss = max(self.peak_pss, whole)
+                if self.daemon_pid is not None:
+                    daemon = tree_pss_bytes(self.daemon_pid)
+                    self.peak_daemon_pss = max(self.peak_daemon_pss, daemon)
+                    self.peak_trainer_pss = max(self.peak_trainer_pss, whole - daemon)
             tick += 1
 
     def stop(self) -> None:
@@ -201,6 +210,8 @@ def run_variant(variant: Variant, args: argparse.Namespace, endpoint: str, work:
                 cpu[line.split()[1]] = tree_cpu_seconds(child_process.pid)
                 child_process.stdin.write("\n")  # type: ignore[union-attr]
                 child_process.stdin.flush()  # type: ignore[union-attr]
+            elif line.startswith("DAEMON "):
+                watcher.daemon_pid = int(line.split()[1])
             elif line.startswith("RESULT "):
                 result = json.loads(line[len("RESULT "):])
             else:  # the system's own output
@@ -244,6 +255,8 @@ def summarise(result: dict[str, Any], cpu: dict[str, float], watcher: Watcher,
         "epoch_gap_ms": statistics.median(gaps) * 1e3 if gaps else None,
         "batch_interval_ms": statistics.median(intervals) * 1e3,
         "peak_pss_bytes": watcher.peak_pss,
+        **({"peak_daemon_pss_bytes": watcher.peak_daemon_pss, "peak_trainer_pss_bytes": watcher.peak_trainer_pss}
+           if watcher.daemon_pid is not None else {}),
         "peak_cache_bytes": watcher.peak_cache,
         "cold_cpu_us_per_sample": (cpu["cold"] - cpu["start"]) / delivered[0] * 1e6,
         "warm_cpu_us_per_sample": (cpu["warm"] - cpu["cold"]) / sum(delivered[1:]) * 1e6,
@@ -335,6 +348,11 @@ def table(summary: dict[str, Any], args: argparse.Namespace) -> str:
             + (f"  ({len(failed)} of {len(entry['rounds'])} rounds failed: {'; '.join(sorted(set(failed)))})"
                if failed else "")
         )
+    split = [f"{name}: daemon {m['peak_daemon_pss_bytes'] / 2**20:.0f} MiB, trainer and its workers "
+             f"{m['peak_trainer_pss_bytes'] / 2**20:.0f} MiB" for name, entry in summary.items()
+             if "peak_daemon_pss_bytes" in (m := entry["median"])]
+    if split:
+        lines += ["peak PSS apart (the two peaks need not fall at the same moment):", *split]
     return "\n".join(lines)
 
 

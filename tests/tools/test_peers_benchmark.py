@@ -34,9 +34,12 @@ def test_epochcache_alone_end_to_end_every_epoch_exact_and_within_the_budget(tmp
         assert median["cold_samples_per_s"] > 0 and median["warm_samples_per_s"] > 0, name
         assert 0 < median["first_batch_s"] < 60, name
         assert median["peak_pss_bytes"] > 0, name
+        assert 0 < median["peak_daemon_pss_bytes"] < median["peak_pss_bytes"], name  # the daemon measured apart
+        assert 0 < median["peak_trainer_pss_bytes"] <= median["peak_pss_bytes"], name  # the daemon may be gone then
         assert 0 < median["peak_cache_bytes"] <= 4 * 2**20, name  # the daemon filled the cache within its budget
         assert median["cold_cpu_us_per_sample"] > 0, name
         assert name in run.stdout  # the table
+        assert f"{name}: daemon " in run.stdout
     assert [p for p in tmp_path.iterdir() if p.name != "peers.json"] == []  # caches and uploads cleaned up
 
 
