@@ -5,7 +5,7 @@ The data: ``--size`` bytes of 12 KB samples (a 3x64x64 uint8 image and an int64 
 Parquet "remote", synced into a cache by the real daemon. Rates are medians over warm epochs (the
 first epoch of each mode warms the page cache and is left out).
 
-    python benchmarks/loader.py [--size 250MB] [--epochs 5] [--pss-epochs 20] [--shard-bytes 64MB]
+    python benchmarks/loader.py [--size 250MB] [--epochs 5] [--pss-epochs 20] [--shard-bytes 12MB]
                                 [--cold-shard-bytes 64MB] [--dir DIR]
 """
 
@@ -63,14 +63,16 @@ def config_for(remote: Path, cache: Path, size: int, shard_bytes: str) -> Config
     })
 
 
-def numpy_copy_rate(cache: Path, repeats: int = 9) -> float:
-    """Bytes/s of copying every shard's columns from the page cache into one preallocated buffer."""
+def numpy_copy_rate(cache: Path, repeats: int = 9) -> tuple[float, int]:
+    """Bytes/s of copying every shard's columns from the page cache into one preallocated buffer, and
+    the number of shards."""
     ledger = Ledger(CacheLayout(cache).ledger)
     layout = CacheLayout(cache)
     columns = []
     for record in ledger.shards():
         table = open_shard(layout.shards / record.filename)
         columns += [_numpy_view(table.column(name).chunk(0)) for name in ("image", "label")]
+    shards = len(columns) // 2
     ledger.close()
     total = sum(c.nbytes for c in columns)
     out = np.empty(max(c.nbytes for c in columns), np.uint8)
@@ -80,7 +82,7 @@ def numpy_copy_rate(cache: Path, repeats: int = 9) -> float:
         for column in columns:
             np.copyto(out[: column.nbytes], column.reshape(-1).view(np.uint8))
         times.append(time.perf_counter() - started)
-    return total / statistics.median(times)
+    return total / statistics.median(times), shards
 
 
 def run_mode(cache: Path, workers: int, epochs: int) -> dict[str, Any]:
@@ -157,8 +159,9 @@ def main() -> None:
     parser.add_argument("--size", default="250MB", help="bytes of samples (default 250MB)")
     parser.add_argument("--epochs", type=int, default=5, help="warm epochs per mode (default 5)")
     parser.add_argument("--pss-epochs", type=int, default=20)
-    parser.add_argument("--shard-bytes", default="64MB",
-                        help="cache.shard_bytes of the warm cache (default 64MB, the config default)")
+    parser.add_argument("--shard-bytes", default="12MB",
+                        help="cache.shard_bytes of the warm cache (default 12MB: about 21 shards at the default "
+                             "--size, so that a batch touches many shards, as on a real cache)")
     parser.add_argument("--cold-shard-bytes", default="64MB",
                         help="cache.shard_bytes for the time to first batch on an empty cache "
                              "(default 64MB, the config default)")
@@ -169,14 +172,14 @@ def main() -> None:
         work = Path(tmp)
         rows = write_remote(work / "remote", size)
         SyncDaemon(config_for(work / "remote", work / "cache", size, args.shard_bytes), progress=False).run(once=True)
-        numpy_rate = numpy_copy_rate(work / "cache")
+        numpy_rate, shards = numpy_copy_rate(work / "cache")
         modes = [run_mode(work / "cache", workers, args.epochs) for workers in (0, 2)]
         first_batch_s, first_shard_s = time_to_first_batch(work / "remote", work / "cold", size, args.cold_shard_bytes)
         pss = pss_per_epoch(work / "cache", args.pss_epochs)
-    report(rows, size, numpy_rate, modes, (first_batch_s, first_shard_s), pss, args)
+    report(rows, shards, numpy_rate, modes, (first_batch_s, first_shard_s), pss, args)
 
 
-def report(rows: int, size: int, numpy_rate: float, modes: list[dict[str, Any]], first: tuple[float, float],
+def report(rows: int, shards: int, numpy_rate: float, modes: list[dict[str, Any]], first: tuple[float, float],
            pss: list[int], args: argparse.Namespace) -> None:
     first_batch_s, first_shard_s = first
     growth = pss[-1] / pss[1] - 1 if len(pss) > 1 else 0.0
@@ -201,7 +204,7 @@ def report(rows: int, size: int, numpy_rate: float, modes: list[dict[str, Any]],
     lines = [
         (
             f"loader benchmark: {rows} samples x {SAMPLE_BYTES} B = {rows * SAMPLE_BYTES / 1e6:.0f} MB, "
-            f"batch {BATCH}, medians of {args.epochs} warm epochs, shards of {args.shard_bytes}"
+            f"batch {BATCH}, medians of {args.epochs} warm epochs, {shards} shards of {args.shard_bytes}"
         ),
         f"{'measure':<48}{'value':>18}   target",
         *(f"{label:<48}{value:>18}   {target}" for label, value, target in rows_out),
@@ -209,7 +212,7 @@ def report(rows: int, size: int, numpy_rate: float, modes: list[dict[str, Any]],
     print("\n".join(lines))
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "rows": rows, "sample_bytes": SAMPLE_BYTES, "batch_size": BATCH, "size": size,
+        "rows": rows, "sample_bytes": SAMPLE_BYTES, "batch_size": BATCH, "size": args.size, "shards": shards,
         "shard_bytes": args.shard_bytes, "cold_shard_bytes": args.cold_shard_bytes,
         "numpy_copy_mb_per_s": numpy_rate / 1e6, "modes": modes,
         "time_to_first_batch_s": first_batch_s, "first_shard_published_s": first_shard_s,

@@ -147,8 +147,7 @@ class NumberedBatches:
 
 class SlotDataset(Dataset[Any]):
     """In a worker: ``data``'s batch for ``(number, indices)`` as a :class:`SlotBatch` when it fits its
-    slot, else the batch itself (for the pipe: ``to_wire`` is the DataLoader's ``collate_fn``). Without a
-    transform the gather writes into the slot directly (one copy fewer)."""
+    slot, else the batch itself (for the pipe: ``to_wire`` is the DataLoader's ``collate_fn``)."""
 
     def __init__(self, data: TransformedDataset, ring: SlotRing):
         self._data, self._ring = data, ring
@@ -161,9 +160,5 @@ class SlotDataset(Dataset[Any]):
 
     def __getitems__(self, numbered: tuple[int, np.ndarray]) -> Any:
         number, indices = numbered
-        if self._data.plain:
-            slot = self._ring.claim(number)
-            if slot is not None:
-                return self._ring.sent(number, len(indices), self._data.dataset.__getitems__(indices, out=slot))
         batch = self._data.__getitems__(indices)
         return self._ring.send(number, batch) or batch
