@@ -102,6 +102,10 @@ class ShardSetDataset(Dataset[Batch]):
     def __len__(self) -> int:
         return int(self._offsets[-1])
 
+    @property
+    def max_open_shards(self) -> int:
+        return self._max_open
+
     def __getstate__(self) -> dict[str, Any]:
         held = ("_held", "_spaces", "_state", "_last_used", "_batches")
         plans: dict[str, ShardPlan] | None = None if self._plans is None else {}
@@ -111,6 +115,18 @@ class ShardSetDataset(Dataset[Batch]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._reset_held()
+
+    def use_maps(self, maps: ShardMaps[Views]) -> None:
+        """Open shards through ``maps`` (a process's set, kept across epochs) from now on: an unpickled
+        dataset (in a worker) otherwise maps every shard anew."""
+        self._maps = maps
+
+    def open(self) -> None:
+        """Map (hold) up to ``max_open_shards`` of the shards now, ahead of the first batch, which would
+        otherwise pay for mapping every shard it touches."""
+        if self._paths:
+            self._reference()
+            self._hold(np.arange(min(len(self._paths), self._max_open)))
 
     def __getitem__(self, index: int) -> Batch:
         batch = self.__getitems__([index])
@@ -131,6 +147,8 @@ class ShardSetDataset(Dataset[Batch]):
 
     def _parts(self, shard_of: np.ndarray) -> list[Any]:
         """Row selections of a batch, each touching at most ``max_open_shards`` shards (one, all rows, mostly)."""
+        if len(self._paths) <= self._max_open:
+            return [slice(None)]
         touched = np.unique(shard_of)
         if len(touched) <= self._max_open:
             return [slice(None)]

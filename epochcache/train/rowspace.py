@@ -4,12 +4,12 @@ In: for each shard held open, its column as a C-contiguous numpy view of shape `
 (zero-copy, into the shard's mapping); per batch, each row's shard number and row within that shard.
 Out: a fresh C-contiguous array of shape ``(batch rows, *item_shape)``, in the batch's order.
 
-How: one read-only numpy array spans the address range of every column registered so far, with
-dtype ``V<row bytes>`` and a stride of one byte, so the element at position ``p`` is the row that
-starts ``p`` bytes after the range's start. A row's position is its shard's base address plus
-``row * row_bytes``: a batch is then one vectorised add and one fancy index (a ``memcpy`` per row in
-numpy's C loop), whatever the number of shards it touches. (A ``numpy.take`` per shard costs a few
-microseconds of Python per shard touched: on small shards that, not the copy, bounded throughput.)
+How: one read-only numpy array spans the whole user address range, with dtype ``V<row bytes>`` and
+a stride of one byte, so the element at position ``p`` is the row that starts ``p`` bytes after the
+range's start. A row's position is its shard's base address plus ``row * row_bytes``: a batch is
+then one vectorised add and one fancy index (a ``memcpy`` per row in numpy's C loop), whatever the
+number of shards it touches. (A ``numpy.take`` per shard costs a few microseconds of Python per
+shard touched: on small shards that, not the copy, bounded throughput.)
 
 Invariant: a shard's base address is in the table only between :meth:`add` and :meth:`drop`, and
 its owner keeps the view given to ``add`` (and so the mapping) alive in between, so a gather never
@@ -20,10 +20,15 @@ inside them is ever formed.
 from __future__ import annotations
 
 import math
+import mmap
 
 import numpy as np
 
 _NOT_HELD = 0
+# The span a space starts with: the user address range of x86-64 and arm64 processes with 4-level page
+# tables, where every mapping lies; so adding a shard costs a store, not a new view (a mapping outside
+# it widens the span).
+_FIRST_SPAN = (mmap.PAGESIZE, 1 << 47)
 
 
 class RowSpace:
@@ -33,8 +38,8 @@ class RowSpace:
         self.dtype, self.item_shape = np.dtype(dtype), tuple(item_shape)
         self.row_bytes = self.dtype.itemsize * math.prod(self.item_shape)
         self._base = np.full(shards, _NOT_HELD, np.int64)  # address of each held shard's row 0
-        self._low = self._high = 0  # the span [low, high) of every column added so far
-        self._space: np.ndarray | None = None
+        self._low, self._high = _FIRST_SPAN  # the span [low, high) of the view, holding every column added
+        self._space = self._view()
 
     def add(self, shard: int, column: np.ndarray) -> None:
         """Hold ``column`` (rows of this space's dtype and item shape, C-contiguous) as shard ``shard``'s."""
@@ -48,10 +53,14 @@ class RowSpace:
         start = column.__array_interface__["data"][0]
         end = start + column.nbytes
         self._base[shard] = start
-        if self._space is None or start < self._low or end > self._high:
-            self._low = start if self._space is None else min(self._low, start)
-            self._high = end if self._space is None else max(self._high, end)
-            self._space = _byte_strided(self._low, self._high - self._low - self.row_bytes + 1, self.row_bytes)
+        if start < self._low or end > self._high:
+            self._low, self._high = min(self._low, start), max(self._high, end)
+            self._space = self._view()
+
+    def _view(self) -> np.ndarray:
+        """The byte-strided view of the span (elements of at least one byte: a dtype needs a size)."""
+        size = max(self.row_bytes, 1)
+        return _byte_strided(self._low, self._high - self._low - size + 1, size)
 
     def drop(self, shard: int) -> None:
         """Forget shard ``shard``'s column: call before letting its view go."""
@@ -66,7 +75,7 @@ class RowSpace:
         rows = len(shard_of)
         if not rows or not self.row_bytes:
             return np.empty((rows, *self.item_shape), self.dtype)
-        if self._space is None or not self.held(shard_of).all():
+        if not self.held(shard_of).all():
             raise ValueError("RowSpace.gather: a row's shard is not held (add its column first)")
         positions = self._base[shard_of] - self._low + local * self.row_bytes
         return self._space[positions].view(self.dtype).reshape(rows, *self.item_shape)
