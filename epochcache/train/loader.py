@@ -240,7 +240,8 @@ class EpochCachedLoader:
                     recorded = self._cleanup_pool.submit(self._record, current, self._last)
                     if self._verifier is not None:  # never before the first batch (see epochcache.cache.verifier)
                         self._verifier.submit(current.unverified)
-                if self._clock.due(number):
+                # (never at the first batch: waking the preparing thread would delay it)
+                if self._clock.due(number) and number > info.start_batch:
                     self._prepare_ahead(epoch + 1)
                 self._start_prepared()
                 self._progress.position = number + 1
