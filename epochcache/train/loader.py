@@ -237,7 +237,9 @@ class EpochCachedLoader:
             for number, batch in enumerate(stream, start=info.start_batch):
                 if number == info.start_batch:
                     self._last = replace(info, first_batch_wait_s=time.monotonic() - started)
-                    recorded = self._cleanup_pool.submit(self._record, current, self._last)
+                    # one task, so one wake-up of the cleanup thread, beside the first batch
+                    retiring, self._retiring = self._retiring, None
+                    recorded = self._cleanup_pool.submit(self._after_first_batch, current, self._last, retiring)
                     if self._verifier is not None:  # never before the first batch (see epochcache.cache.verifier)
                         self._verifier.submit(current.unverified)
                 # (never at the first batch: waking the preparing thread would delay it)
@@ -262,6 +264,13 @@ class EpochCachedLoader:
                 self._retiring = current
             else:
                 self._finish(current)
+
+    def _after_first_batch(self, current: _Epoch, info: EpochInfo, retiring: _Epoch | None) -> None:
+        """On the cleanup thread, once an epoch's first batch is out: stop the last epoch's batch source
+        and release its lease, then record this epoch."""
+        if retiring is not None:
+            self._finish(retiring)
+        self._record(current, info)
 
     def _record(self, current: _Epoch, info: EpochInfo) -> None:
         """Record the running epoch in the ledger (local rank 0, for its node: the samples its batches
