@@ -3,7 +3,9 @@ batch on an empty cache, and PSS over 20 epochs. Prints a table, writes benchmar
 
 The data: ``--size`` bytes of 12 KB samples (a 3x64x64 uint8 image and an int64 label) in a local
 Parquet "remote", synced into a cache by the real daemon. Rates are medians over warm epochs (the
-first epoch of each mode warms the page cache and is left out).
+first epoch of each mode warms the page cache and is left out). Each mode's share of a numpy copy is
+against the copy rate of the same shards measured just before and after that mode (median of 10
+passes), so the drifting load of a shared machine weighs on both sides of the ratio alike.
 
     python benchmarks/loader.py [--size 250MB] [--epochs 5] [--pss-epochs 20] [--shard-bytes 12MB]
                                 [--cold-shard-bytes 64MB] [--dir DIR]
