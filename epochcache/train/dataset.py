@@ -190,8 +190,9 @@ class ShardSetDataset(Dataset[Batch]):
         spaces) when this returns, shards least recently read dropped to stay within ``max_open_shards``."""
         self._batches += 1
         self._last_used[shard_of] = self._batches
-        missing = np.unique(shard_of[self._state[shard_of] == _CLOSED])
-        if missing.size:
+        closed = self._state[shard_of] == _CLOSED
+        if closed.any():  # (most batches: none; np.unique costs even on nothing)
+            missing = np.unique(shard_of[closed])
             self._make_room(missing.size)
             for number in missing.tolist():
                 self._open_into(number)
