@@ -234,7 +234,8 @@ class LoaderConfig(_Section):
     drop_last: bool = False
     seed: int = Field(default=0, ge=0)
     columns: list[str] | None = Field(default=None, min_length=1)
-    prepare_next_at: float = Field(default=0.8, gt=0.0, le=1.0)
+    # None: the next epoch is prepared by time (epochcache.train.timing); a fraction: at that point.
+    prepare_next_at: float | None = Field(default=None, gt=0.0, le=1.0)
     lease_ttl_s: float = Field(default=60.0, gt=0.0)
     wait_timeout_s: float = Field(default=600.0, gt=0.0)
     # Open memory maps kept per loader: vm.max_map_count (65,530 by default) bounds them per process,

@@ -1,14 +1,15 @@
 """ShardSetDataset: a map-style torch Dataset over memory-mapped Arrow shards.
 
-Per process, shards are memory-mapped on demand and kept in a bounded least-recently-used set
-(:class:`epochcache.train.mappings.ShardMaps`, ``max_open_shards``), so any number of shards stays under
-the kernel's map limit. Every fixed-width column (numbers, fixed-size lists, the fixed-shape tensor
-type) is viewed as one read-only numpy array of shape ``(rows, *item_shape)`` that points into the
-mapping: opening costs no copy and no per-sample object. A batch (``__getitems__``) is gathered with
-one ``numpy.take`` per shard touched, straight into the batch's freshly allocated array, which torch
-then wraps without a copy: one copy in all, the gather itself. Samples of a batch are grouped by
-shard (stable within a shard), which keeps that copy single; the batch is the same set of samples
-the sampler chose, less the rows of a shard that cannot be read.
+Per process, shards are memory-mapped on demand (through the loader's shared least-recently-used
+set, :class:`epochcache.train.mappings.ShardMaps`, so consecutive epochs reuse mappings) and each
+dataset holds at most ``max_open_shards`` of them, dropping the least recently read, so any number
+of shards stays under the kernel's map limit. Every fixed-width column (numbers, fixed-size lists,
+the fixed-shape tensor type) is viewed as one read-only numpy array of shape ``(rows, *item_shape)``
+that points into the mapping: opening costs no copy and no per-sample object. A batch
+(``__getitems__``) gathers each such column with one numpy call, whatever the number of shards it
+touches (:mod:`epochcache.train.rowspace`), into a fresh array that torch wraps without a copy: one
+copy in all, the gather itself. Rows come in the order asked (the sampler's shuffle), less the rows
+of a shard that cannot be read.
 
 What each column becomes follows from its Arrow type alone (:mod:`epochcache.cache.columns`), so it is the
 same in every batch: string columns (and ``__key__`` when selected) a list of ``str`` per batch;
@@ -39,6 +40,7 @@ from epochcache.cache.columns import is_binary, is_fixed_width, is_string
 from epochcache.errors import LoaderError, ShardCorruptError
 from epochcache.sources.base import KEY_COLUMN
 from epochcache.train.mappings import DEFAULT_MAX_OPEN_SHARDS, ShardMaps
+from epochcache.train.rowspace import RowSpace
 from epochcache.train.shardplan import ShardPlan, open_planned
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,9 @@ log = logging.getLogger(__name__)
 Batch = dict[str, Any]
 Column = Union[np.ndarray, pa.Array, "BufferColumn", "StringColumn"]
 Views = dict[str, Column]
+
+# A shard's state in a dataset, per process: not mapped by it, held (mapped, in the row spaces), unreadable.
+_CLOSED, _HELD, _UNREADABLE = 0, 1, 2
 
 
 class ShardSetDataset(Dataset[Batch]):
@@ -78,70 +83,144 @@ class ShardSetDataset(Dataset[Batch]):
         self._schema: dict[str, pa.DataType] | None = None  # name -> type, from the first readable shard
         self._schema_path = ""
         self._template: Views | None = None
-        self._unreadable: set[int] = set()
         self._key = None if self._columns is None else tuple(self._columns)
-        # A dataset of at most max_open_shards shards also holds its views itself, by shard number:
-        # the gather then skips the shared LRU's lock and bookkeeping, once per shard touched per batch.
-        # Its mappings stay within the bound; a larger dataset goes through the LRU every time.
-        fits = len(self._paths) <= self._max_open
-        self._held: list[Views | None] | None = [None] * len(self._paths) if fits else None
-        # A larger dataset maps shards again as the LRU drops them: it keeps where each shard's columns
-        # lie (epochcache.train.shardplan), so mapping one again skips the IPC parsing.
-        self._plans: dict[str, ShardPlan] | None = None if fits else {}
+        # A dataset of more shards than max_open_shards maps shards again as they are dropped: it keeps
+        # where each shard's columns lie (epochcache.train.shardplan), so mapping one again skips the IPC parsing.
+        self._plans: dict[str, ShardPlan] | None = None if len(self._paths) <= self._max_open else {}
+        self._reset_held()
+
+    def _reset_held(self) -> None:
+        """No shard held: the per-process state (mappings and their addresses) starts empty."""
+        # The shards whose views this dataset holds, at most max_open_shards: their fixed-width columns
+        # are in the row spaces (one per column, epochcache.train.rowspace), which gather a batch.
+        self._held: dict[int, Views] = {}
+        self._spaces: dict[str, RowSpace] = {}  # made with the template (_reference)
+        self._state = np.full(len(self._paths), _CLOSED, np.int8)
+        self._last_used = np.zeros(len(self._paths), np.int64)  # the batch count when a shard was last read
+        self._batches = 0
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
 
+    @property
+    def max_open_shards(self) -> int:
+        return self._max_open
+
     def __getstate__(self) -> dict[str, Any]:
-        held = None if self._held is None else [None] * len(self._held)
+        held = ("_held", "_spaces", "_state", "_last_used", "_batches")
         plans: dict[str, ShardPlan] | None = None if self._plans is None else {}
-        return {**self.__dict__, "_maps": None, "_template": None, "_held": held, "_plans": plans}
+        state = {k: v for k, v in self.__dict__.items() if k not in held}
+        return {**state, "_maps": None, "_template": None, "_plans": plans}  # the spaces go with the template
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_held()
+
+    def use_maps(self, maps: ShardMaps[Views]) -> None:
+        """Open shards through ``maps`` (a process's set, kept across epochs) from now on: an unpickled
+        dataset (in a worker) otherwise maps every shard anew."""
+        self._maps = maps
+
+    def open(self) -> None:
+        """Map (hold) up to ``max_open_shards`` of the shards now, ahead of the first batch, which would
+        otherwise pay for mapping every shard it touches."""
+        if self._paths:
+            self._reference()
+            self._hold(np.arange(min(len(self._paths), self._max_open)))
 
     def __getitem__(self, index: int) -> Batch:
         batch = self.__getitems__([index])
         return {name: value[0] for name, value in batch.items()}
 
-    def __getitems__(self, indices: Sequence[int] | np.ndarray, out: dict[str, np.ndarray] | None = None) -> Batch:
-        """The rows at ``indices`` as one batch: tensors of shape ``(rows, *item_shape)``; ``rows`` is
-        ``len(indices)`` less the rows of unreadable shards.
-
-        ``out`` (fixed-width column -> array of at least ``len(indices)`` rows of its dtype and item
-        shape, as :meth:`fixed_layout` gives) receives those columns instead of fresh arrays; their
-        tensors then share its memory."""
+    def __getitems__(self, indices: Sequence[int] | np.ndarray) -> Batch:
+        """The rows at ``indices`` as one batch, in that order: tensors of shape ``(rows, *item_shape)``;
+        ``rows`` is ``len(indices)`` less the rows of unreadable shards. (A batch touching more shards
+        than ``max_open_shards`` is gathered in parts of that many shards, and comes out part by part.)"""
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"index out of range for a dataset of {len(self)} samples")
         shard_of = np.searchsorted(self._offsets, idx, side="right") - 1
-        order = np.argsort(shard_of, kind="stable")
-        shard_of = shard_of[order]
-        local = idx[order] - self._offsets[shard_of]
-        splits = np.flatnonzero(np.diff(shard_of)).tolist()
-        starts, ends = [0, *(i + 1 for i in splits)], [*(i + 1 for i in splits), idx.size]
+        local = idx - self._offsets[shard_of]
         template = self._reference()
-        given = out or {}
-        result: dict[str, Any] = {
-            name: (given[name][: idx.size] if name in given else np.empty((idx.size, *col.shape[1:]), col.dtype))
-            if isinstance(col, np.ndarray) else []
-            for name, col in template.items()
-        }
-        # The hot loop of the loader: one gather per shard and column, as few Python steps as possible.
-        # mode="clip" (indices are checked above): under the default mode="raise" numpy gathers into a
-        # temporary and copies that into ``result``, which costs a second copy of every batch.
-        filled = 0  # rows written: unreadable shards' rows are skipped, so arrays stay dense from 0
-        for start, end in zip(starts, ends):
-            views = self._views(int(shard_of[start]))
-            if views is None:
-                continue
-            rows, stop = local[start:end], filled + end - start
-            for name, col in views.items():
-                if isinstance(col, np.ndarray):
-                    col.take(rows, axis=0, out=result[name][filled:stop], mode="clip")
-                elif isinstance(col, (BufferColumn, StringColumn)):
-                    result[name].extend(col.take(rows))
+        parts = [self._gather(shard_of[rows], local[rows]) for rows in self._parts(shard_of)]
+        return {name: _join([part[name] for part in parts], column) for name, column in template.items()}
+
+    def _parts(self, shard_of: np.ndarray) -> list[Any]:
+        """Row selections of a batch, each touching at most ``max_open_shards`` shards (one, all rows, mostly)."""
+        if len(self._paths) <= self._max_open:
+            return [slice(None)]
+        touched = np.unique(shard_of)
+        if len(touched) <= self._max_open:
+            return [slice(None)]
+        groups = [touched[i : i + self._max_open] for i in range(0, len(touched), self._max_open)]
+        return [np.flatnonzero(np.isin(shard_of, group)) for group in groups]
+
+    def _gather(self, shard_of: np.ndarray, local: np.ndarray) -> dict[str, Any]:
+        """Rows ``local`` of shards ``shard_of`` (at most ``max_open_shards`` shards), those of unreadable
+        shards left out: each fixed-width column in one call (epochcache.train.rowspace), others per shard."""
+        readable = self._hold(shard_of)
+        if not readable.all():
+            shard_of, local = shard_of[readable], local[readable]
+        batch: dict[str, Any] = {name: space.gather(shard_of, local) for name, space in self._spaces.items()}
+        others = [name for name in self._reference() if name not in batch]
+        if others:
+            batch.update(self._gather_by_shard(others, shard_of, local))
+        return batch
+
+    def _gather_by_shard(self, names: list[str], shard_of: np.ndarray, local: np.ndarray) -> dict[str, Any]:
+        """Columns ``names`` (strings, binary, nested: Python or Arrow values per row) of the given rows, in
+        their order: one ``take`` per shard touched and column, then put back in the rows' order."""
+        order = np.argsort(shard_of, kind="stable")
+        grouped, rows = shard_of[order], local[order]
+        splits = (np.flatnonzero(np.diff(grouped)) + 1).tolist()
+        values: dict[str, list[Any]] = {name: [] for name in names}
+        for start, end in zip([0, *splits], [*splits, len(grouped)]):
+            views = self._held[int(grouped[start])]
+            for name in names:
+                col = views[name]
+                if isinstance(col, (BufferColumn, StringColumn)):
+                    values[name].extend(col.take(rows[start:end]))
                 else:
-                    result[name].append(col.take(pa.array(rows)))
-            filled = stop
-        return {name: _finish(value, template[name], filled) for name, value in result.items()}
+                    values[name].append(col.take(pa.array(rows[start:end])))
+        back = np.argsort(order)  # where each row of the batch is in the grouped order
+        return {name: _reorder(values[name], back, self._reference()[name]) for name in names}
+
+    def _hold(self, shard_of: np.ndarray) -> np.ndarray:
+        """Whether each row's shard can be read; every readable one is held (mapped and in the row
+        spaces) when this returns, shards least recently read dropped to stay within ``max_open_shards``."""
+        self._batches += 1
+        self._last_used[shard_of] = self._batches
+        closed = self._state[shard_of] == _CLOSED
+        if closed.any():  # (most batches: none; np.unique costs even on nothing)
+            missing = np.unique(shard_of[closed])
+            self._make_room(missing.size)
+            for number in missing.tolist():
+                self._open_into(number)
+        return self._state[shard_of] == _HELD
+
+    def _make_room(self, wanted: int) -> None:
+        """Drop the least recently read held shards (never one of this batch) so ``wanted`` more fit."""
+        excess = len(self._held) + wanted - self._max_open
+        if excess <= 0:
+            return
+        held = np.fromiter(self._held, np.int64, len(self._held))
+        ages = self._last_used[held]
+        victims = held[np.argsort(ages, kind="stable")[:excess]]
+        for number in victims[self._last_used[victims] < self._batches].tolist():
+            for space in self._spaces.values():
+                space.drop(number)  # before the views go: see RowSpace's invariant
+            del self._held[number]
+            self._state[number] = _CLOSED
+
+    def _open_into(self, number: int) -> None:
+        """Map shard ``number`` (or mark it unreadable) and put its fixed-width columns in the row spaces."""
+        views = self._views(number)
+        if views is None:
+            return
+        for name, space in self._spaces.items():
+            space.add(number, views[name])  # type: ignore[arg-type]  # fixed-width: numpy, per the schema check
+        self._held[number] = views
+        self._state[number] = _HELD
 
     def fixed_layout(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         """The fixed-width (tensor) columns, as name -> (dtype, item shape), of the dataset's schema
@@ -152,11 +231,14 @@ class ShardSetDataset(Dataset[Batch]):
         return {name: (col.dtype, col.shape[1:]) for name, col in template.items() if isinstance(col, np.ndarray)}
 
     def _reference(self) -> Views:
-        """The views of the first readable shard, whose column types every other shard must share."""
+        """The views of the first readable shard, whose column types every other shard must share; the
+        row spaces of its fixed-width columns are made with it."""
         if self._template is None:
             for number in range(len(self._paths)):
                 views = self._views(number)
                 if views is not None:
+                    self._spaces = {name: RowSpace(len(self._paths), col.dtype, col.shape[1:])
+                                    for name, col in views.items() if isinstance(col, np.ndarray)}
                     self._template = views
                     break
             else:
@@ -168,9 +250,9 @@ class ShardSetDataset(Dataset[Batch]):
 
     def _views(self, number: int) -> Views | None:
         """Shard ``number``'s column views, mapped if not open; None if it cannot be read."""
-        if self._held is not None and self._held[number] is not None:
+        if number in self._held:
             return self._held[number]
-        if number in self._unreadable:
+        if self._state[number] == _UNREADABLE:
             return None
         if self._maps is None:
             self._maps = ShardMaps(self._max_open)
@@ -178,13 +260,11 @@ class ShardSetDataset(Dataset[Batch]):
         try:
             views = self._maps.get((path, self._key), lambda: self._open_one(path))
         except (ShardCorruptError, FileNotFoundError) as exc:
-            self._unreadable.add(number)
+            self._state[number] = _UNREADABLE
             log.warning("shard %s cannot be read, its rows are left out of this epoch: %s", path, exc)
             if self._on_unreadable is not None:
                 self._on_unreadable(path, exc)
             return None
-        if self._held is not None:
-            self._held[number] = views
         return views
 
     def _open_one(self, path: str) -> Views:
@@ -241,12 +321,12 @@ def _describe(types: dict[str, pa.DataType]) -> str:
 def _numpy_view(array: pa.Array) -> np.ndarray:
     """A zero-copy ``(rows, *item_shape)`` numpy view of a fixed-width column without nulls."""
     if isinstance(array.type, pa.FixedShapeTensorType):
-        return array.to_numpy_ndarray()
+        return np.ascontiguousarray(array.to_numpy_ndarray())
     shape = [len(array)]
     while pa.types.is_fixed_size_list(array.type):
         shape.append(array.type.list_size)
         array = array.flatten()
-    return array.to_numpy(zero_copy_only=True).reshape(shape)
+    return np.ascontiguousarray(array.to_numpy(zero_copy_only=True).reshape(shape))
 
 
 class StringColumn:
@@ -278,12 +358,24 @@ class BufferColumn:
         return slices
 
 
-def _finish(value: Any, column: Column, rows: int) -> Any:
-    """The batch value of one column (its first ``rows`` rows): a tensor, a list, or one Arrow array."""
-    if isinstance(column, np.ndarray):
-        return torch.from_numpy(value[:rows])
+def _reorder(values: list[Any], back: np.ndarray, column: Column) -> Any:
+    """A non-tensor column's values, gathered shard by shard, put back in the batch's row order
+    (``back[i]``: where row i is among them): a list, or one Arrow array."""
     if isinstance(column, (BufferColumn, StringColumn)):
-        return value
-    if not value:
-        return column.slice(0, 0)
-    return pa.concat_arrays(value) if len(value) != 1 else value[0]
+        return [values[i] for i in back.tolist()]
+    if not values:
+        return column.slice(0, 0) if isinstance(column, pa.Array) else []
+    joined = pa.concat_arrays(values) if len(values) != 1 else values[0]
+    return joined.take(pa.array(back))
+
+
+def _join(parts: list[Any], column: Column) -> Any:
+    """One column's batch value from the values of its parts (one part, mostly): a tensor, a list, or
+    one Arrow array."""
+    if isinstance(column, np.ndarray):
+        return torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts))
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(column, (BufferColumn, StringColumn)):
+        return [value for part in parts for value in part]
+    return pa.concat_arrays(parts)

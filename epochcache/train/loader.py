@@ -2,13 +2,14 @@
 
 Each epoch's shard set is a ledger snapshot taken together with a lease on exactly those shards, so
 the daemon cannot evict them mid-epoch; a heartbeat thread renews the lease. A finished epoch's
-lease is released, and its batch thread or workers stopped, in the background once the next epoch's
-first batch is out (or at :meth:`EpochCachedLoader.close`), so that work never delays that batch;
-an epoch left early is released at once, and a killed trainer's lease simply expires. When
-``loader.prepare_next_at`` of an epoch's batches are consumed, a background thread snapshots the
-next epoch, builds its dataset and order and starts its batches (the batch thread, or the DataLoader
-workers, which the main thread forks at the next batch boundary), so the next epoch starts without a
-stall.
+lease is released, and its batch thread stopped, in the background once the next epoch's first batch
+is out (or at :meth:`EpochCachedLoader.close`), so that work never delays that batch; an epoch left
+early is released at once, and a killed trainer's lease simply expires. When the time the epoch has
+left comes within reach of the measured preparation time (:mod:`epochcache.train.timing`; or at
+``loader.prepare_next_at`` of its batches, when set), a background thread snapshots the next epoch,
+builds its dataset and order and starts its batches (the batch thread, or, at the next batch
+boundary, queues it on the worker processes, which are kept across epochs:
+:mod:`epochcache.train.workers`), so the next epoch starts without a stall.
 
 Integrity: an epoch's shards must share one schema (else a :class:`LoaderError` naming both); a
 shard whose file is missing or not at its recorded size is quarantined and left out; nothing is
@@ -29,7 +30,6 @@ snapshot, seed and epoch, so a resumed epoch skips the batches already seen with
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import socket
@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 from pydantic import ValidationError
-from torch.utils.data import DataLoader
 
 from epochcache.cache.coverage import coverage_of
 from epochcache.cache.layout import CacheLayout
@@ -61,10 +60,10 @@ from epochcache.train.mappings import ShardMaps
 from epochcache.train.order import EpochBatches, batch_count, epoch_order, rank_part
 from epochcache.train.prefetch import BatchThread
 from epochcache.train.resume import Progress, read_state, snapshot_id
-from epochcache.train.slots import NumberedBatches, SlotDataset, SlotRing
+from epochcache.train.timing import PrepareClock
 from epochcache.train.transform import BatchTransform, SampleTransform, TransformedDataset
 from epochcache.train.waiting import Patience, wait_for_samples
-from epochcache.train.wire import from_wire, to_wire
+from epochcache.train.workers import PoolEpoch, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -99,43 +98,39 @@ class EpochInfo:
 class _Epoch:
     """A built epoch: its lease, shard ids and batch source; ``start`` begins producing batches.
 
-    Worker processes must be forked from the main thread: under torch 2.x, workers forked from a
-    background thread exit with code 1 at shutdown, which the DataLoader reports as a crash. So the
-    preparing thread builds the DataLoader object and the main thread calls ``start`` (at a batch
-    boundary once the preparation is done); the workers then prefetch on their own. Without workers
-    the preparing thread starts the batch thread itself, which builds the first batches at once.
+    Without workers the preparing thread starts the batch thread itself, which builds the first
+    batches at once. With workers, ``start`` queues the epoch on the loader's worker pool (from the
+    main thread, at a batch boundary once the preparation is done), behind the epoch being read, so
+    the workers go on to it as soon as they are free (:mod:`epochcache.train.workers`).
     """
 
     def __init__(
-        self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], loader: DataLoader[Any] | BatchThread | None,
-        pin: bool, ring: SlotRing | None = None, unverified: tuple[ShardRecord, ...] = (),
+        self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], source: BatchThread | PoolEpoch | None,
+        pin: bool, unverified: tuple[ShardRecord, ...] = (),
     ):
-        self.info, self.lease, self.shards, self._loader, self._pin = info, lease, shards, loader, pin
+        self.info, self.lease, self.shards, self._source, self._pin = info, lease, shards, source, pin
         self.unverified = unverified  # the epoch's shards not yet checksummed on this host
-        self._unwrap = ring.receive if ring is not None else from_wire
-        self._iterator: Iterator[Any] | None = loader if isinstance(loader, BatchThread) else None
+
+    @property
+    def usable(self) -> bool:
+        """False once its worker pool was closed (by an epoch left early): it must be built again."""
+        return not (isinstance(self._source, PoolEpoch) and self._source.pool.closed)
 
     def start(self) -> None:
-        if self._iterator is None and self._loader is not None:
-            self._iterator = iter(self._loader)
+        if isinstance(self._source, PoolEpoch):
+            self._source.start()
 
     def batches(self) -> Generator[Any, None, None]:
-        self.start()
-        if isinstance(self._loader, DataLoader) and self._iterator is not None:
-            # Stop at the known count instead of asking for one more: the DataLoader would answer
-            # that by joining its workers here, in the gap before the next epoch's first batch.
-            # Worker batches arrive in shared-memory slots or as numpy (epochcache.train.slots, .wire).
-            for message in itertools.islice(self._iterator, len(self._loader)):
-                batch = self._unwrap(message)
+        if isinstance(self._source, PoolEpoch):
+            for batch in self._source.batches():
                 yield pin_batch(batch) if self._pin else batch
-        elif self._iterator is not None:
-            yield from self._iterator
+        elif self._source is not None:
+            yield from self._source
 
     def close(self) -> None:
-        if isinstance(self._loader, BatchThread):
-            self._loader.close()
-        self._iterator = None  # drops the DataLoader iterator, which shuts its workers down
-        self._loader = None
+        if self._source is not None:
+            self._source.close()
+        self._source = None
 
 
 class EpochCachedLoader:
@@ -196,6 +191,11 @@ class EpochCachedLoader:
         self._cleanup_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-cleanup")
         # the batch threads of the current epoch and of the next one, prepared ahead
         self._build_pool = ThreadPoolExecutor(2, thread_name_prefix="epochcache-batches")
+        # the worker processes, kept across epochs (made by the preparing thread, forked by the main one)
+        self._pool: WorkerPool | None = None
+        self._pool_lock = threading.Lock()
+        ahead = self.config.prefetch_batches * max(self._workers, 1)
+        self._clock = PrepareClock(ahead, self.config.prepare_next_at)
         self._heartbeat = threading.Thread(target=self._renew_leases, name="epochcache-lease", daemon=True)
         self._heartbeat.start()
 
@@ -229,7 +229,7 @@ class EpochCachedLoader:
         current = self._take_prepared(epoch, resume)
         info = self._last = current.info
         self._progress = Progress(epoch, info.start_batch, info.batches, current.shards)
-        trigger = min(max(info.batches - 1, 0), int(info.batches * self.config.prepare_next_at))
+        self._clock.begin(info.batches)
         batches, completed = current.batches(), False
         recorded: Future[None] | None = None
         stream = self._on_device(batches)
@@ -237,12 +237,15 @@ class EpochCachedLoader:
             for number, batch in enumerate(stream, start=info.start_batch):
                 if number == info.start_batch:
                     self._last = replace(info, first_batch_wait_s=time.monotonic() - started)
-                    recorded = self._cleanup_pool.submit(self._record, current, self._last)
+                    # one task, so one wake-up of the cleanup thread, beside the first batch
+                    retiring, self._retiring = self._retiring, None
+                    recorded = self._cleanup_pool.submit(self._after_first_batch, current, self._last, retiring)
                     if self._verifier is not None:  # never before the first batch (see epochcache.cache.verifier)
                         self._verifier.submit(current.unverified)
-                if number >= trigger:
+                # (never at the first batch: waking the preparing thread would delay it)
+                if self._clock.due(number) and number > info.start_batch:
                     self._prepare_ahead(epoch + 1)
-                    self._start_prepared()
+                self._start_prepared()
                 self._progress.position = number + 1
                 self._retire_previous()  # once this epoch's first batch is out
                 yield batch
@@ -250,17 +253,24 @@ class EpochCachedLoader:
             self._prepare_ahead(epoch + 1)
             completed = True
         finally:
-            stream.close()  # lets go of the DataLoader iterator now, so closing the epoch shuts its workers
+            stream.close()
             batches.close()
             if recorded is not None:  # done long since: last_epoch then has its coverage, the lease its record
                 recorded.result()
             if completed:
-                # Off the path to the next epoch's first batch: stopping workers takes tens of ms of
-                # CPU and releasing the lease a ledger write, so both wait until that batch is out.
+                # Off the path to the next epoch's first batch: stopping the batch thread and
+                # releasing the lease (a ledger write) wait until that batch is out.
                 self._retire_previous()
                 self._retiring = current
             else:
                 self._finish(current)
+
+    def _after_first_batch(self, current: _Epoch, info: EpochInfo, retiring: _Epoch | None) -> None:
+        """On the cleanup thread, once an epoch's first batch is out: stop the last epoch's batch source
+        and release its lease, then record this epoch."""
+        if retiring is not None:
+            self._finish(retiring)
+        self._record(current, info)
 
     def _record(self, current: _Epoch, info: EpochInfo) -> None:
         """Record the running epoch in the ledger (local rank 0, for its node: the samples its batches
@@ -314,6 +324,8 @@ class EpochCachedLoader:
         self._prepare_pool.shutdown(wait=True)
         self._cleanup_pool.shutdown(wait=True)
         self._build_pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.close()
         self._heartbeat.join()
         if self._verifier is not None:
             self._verifier.close()
@@ -352,7 +364,10 @@ class EpochCachedLoader:
         if resume is None and self._next is not None and self._next[0] == epoch:
             future = self._next[1]
             self._next = None
-            return future.result()
+            prepared = future.result()
+            if prepared.usable:
+                return prepared
+            self._finish(prepared)  # its worker pool was closed by an epoch left early
         self._drop_prepared()
         return self._prepare(epoch, ahead=False, resume=resume)
 
@@ -373,7 +388,7 @@ class EpochCachedLoader:
             self._next = (epoch, self._prepare_pool.submit(self._prepare, epoch, True, None))
 
     def _prepare(self, epoch: int, ahead: bool, resume: Progress | None) -> _Epoch:
-        lease = self._snapshot(epoch)
+        lease, started = self._snapshot(epoch)
         try:
             records = self._agreed_records(lease, resume)
             self._check_one_schema(records)
@@ -387,9 +402,10 @@ class EpochCachedLoader:
                 batches=sampler.count, skipped_shards=len(lease.shards) - len(records), prepared_ahead=ahead,
                 snapshot=snapshot_id([r.id for r in records]), start_batch=min(sampler.start, sampler.count),
             )
-            source, ring = self._batch_source(dataset, sampler)
+            source = self._batch_source(dataset, sampler)
             unverified = tuple(r for r in records if not r.verified)
-            return _Epoch(info, lease, tuple(r.id for r in records), source, self._pin, ring, unverified)
+            self._clock.prepare_s = time.monotonic() - started
+            return _Epoch(info, lease, tuple(r.id for r in records), source, self._pin, unverified)
         except BaseException:
             self._release(lease.id)
             raise
@@ -438,45 +454,35 @@ class EpochCachedLoader:
         count = peers.fewest_batches(batch_count(len(part), cfg.batch_size, cfg.drop_last))
         return EpochBatches(part, cfg.batch_size, count, start)
 
-    def _batch_source(
-        self, dataset: ShardSetDataset, sampler: EpochBatches
-    ) -> tuple[DataLoader[Any] | BatchThread | None, SlotRing | None]:
-        """The epoch's batches: a batch thread, or worker processes (sending through a slot ring
-        when the dataset has tensor columns, see epochcache.train.slots)."""
+    def _batch_source(self, dataset: ShardSetDataset, sampler: EpochBatches) -> BatchThread | PoolEpoch | None:
+        """The epoch's batches: a batch thread, or the loader's worker processes (kept across epochs,
+        sending through a slot ring when the dataset has tensor columns, see epochcache.train.workers)."""
         if not len(sampler):
-            return None, None
-        data = TransformedDataset(dataset, self._transform, self._sample_transform)
+            return None
         if self._workers == 0:
+            data = TransformedDataset(dataset, self._transform, self._sample_transform)
             build = (lambda idx: pin_batch(data.__getitems__(idx))) if self._pin else data.__getitems__
-            return BatchThread(build, sampler, self.config.prefetch_batches, self._build_pool), None
+            return BatchThread(build, sampler, self.config.prefetch_batches, self._build_pool)
         layout = dataset.fixed_layout()
-        if not layout:
-            return DataLoader(
-                # index arrays rather than lists: __getitems__ takes them whole
-                data, batch_sampler=sampler, num_workers=self._workers, collate_fn=to_wire,  # type: ignore[arg-type]
-                prefetch_factor=self.config.prefetch_batches,
-            ), None
-        # The DataLoader asks for at most prefetch_batches per worker ahead of the batch being handed
-        # out; two slots more leave room for the batch being copied out and a worker running ahead.
-        ahead = self.config.prefetch_batches * self._workers + 2
-        ring = SlotRing(layout, self.config.batch_size, ahead, sampler.start)
-        return DataLoader(
-            # the ring reaches the workers through fork (anonymous shared memory cannot be pickled)
-            SlotDataset(data, ring), batch_sampler=NumberedBatches(sampler),  # type: ignore[arg-type]
-            num_workers=self._workers, collate_fn=to_wire, prefetch_factor=self.config.prefetch_batches,
-            multiprocessing_context="fork",
-        ), ring
+        with self._pool_lock:
+            if self._pool is None or self._pool.closed or self._pool.layout != layout:
+                # (a pool replaced for another layout stops its workers once its last epoch is dropped)
+                self._pool = WorkerPool(self._workers, self.config.prefetch_batches, self.config.batch_size,
+                                        layout, self._transform, self._sample_transform)
+            return PoolEpoch(self._pool, dataset, sampler)
 
-    def _snapshot(self, epoch: int) -> Lease:
+    def _snapshot(self, epoch: int) -> tuple[Lease, float]:
         """A lease on a shard set holding at least one row, waiting for it while a daemon runs (up to
-        ``wait_timeout_s``; see :class:`epochcache.train.waiting.Patience`)."""
+        ``wait_timeout_s``; see :class:`epochcache.train.waiting.Patience`), and when the snapshot that
+        gave it began (``time.monotonic()``: what came before was waiting, not preparing)."""
         patience = Patience(self._layout, self.config.wait_timeout_s)
         while True:
+            attempt = time.monotonic()
             lease = self._ledger.snapshot(f"{self._owner}:epoch{epoch}", self.config.lease_ttl_s)
             with self._held_lock:
                 self._held.add(lease.id)
             if any(r.rows for r in lease.shards):  # zero-row shards alone would make an epoch of no batches
-                return lease
+                return lease, attempt
             self._release(lease.id)
             why = patience.over()
             if why is not None or self._closed.wait(_EMPTY_POLL_S):

@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
-from epochcache.train.order import EpochBatches
-from epochcache.train.transform import TransformedDataset
 from epochcache.train.wire import from_wire, to_wire
 
 # Column starts aligned to a cache line, so each gather writes whole lines of its own column.
@@ -129,41 +126,3 @@ class SlotRing:
             ).reshape(self._batch_size, *shape)
             for name, (dtype, shape) in self._layout.items()
         }
-
-
-class NumberedBatches:
-    """``sampler``'s index arrays paired with their batch numbers: the worker needs the number to
-    find the slot."""
-
-    def __init__(self, sampler: EpochBatches):
-        self._sampler = sampler
-
-    def __len__(self) -> int:
-        return len(self._sampler)
-
-    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
-        return iter(zip(range(self._sampler.start, self._sampler.count), self._sampler))
-
-
-class SlotDataset(Dataset[Any]):
-    """In a worker: ``data``'s batch for ``(number, indices)`` as a :class:`SlotBatch` when it fits its
-    slot, else the batch itself (for the pipe: ``to_wire`` is the DataLoader's ``collate_fn``). Without a
-    transform the gather writes into the slot directly (one copy fewer)."""
-
-    def __init__(self, data: TransformedDataset, ring: SlotRing):
-        self._data, self._ring = data, ring
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __getitem__(self, index: int) -> Any:
-        raise TypeError("SlotDataset is read by batch: give it (batch number, indices) to __getitems__")
-
-    def __getitems__(self, numbered: tuple[int, np.ndarray]) -> Any:
-        number, indices = numbered
-        if self._data.plain:
-            slot = self._ring.claim(number)
-            if slot is not None:
-                return self._ring.sent(number, len(indices), self._data.dataset.__getitems__(indices, out=slot))
-        batch = self._data.__getitems__(indices)
-        return self._ring.send(number, batch) or batch

@@ -36,11 +36,6 @@ class TransformedDataset(Dataset[Any]):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    @property
-    def plain(self) -> bool:
-        """No transform at all: batches are the dataset's own."""
-        return self._transform is None and self._sample_transform is None
-
     def __getitem__(self, index: int) -> Any:
         """A batch of one: the transforms expect batches, so single samples are not unwrapped."""
         return self.__getitems__([index])

@@ -52,6 +52,19 @@ def test_getitems_gathers_across_shards(tmp_path: Path) -> None:
     _check_rows(batch, wanted)
 
 
+def test_a_batch_comes_in_the_order_asked_whatever_the_shards_and_open_maps(tmp_path: Path) -> None:
+    paths, rows = _shards(tmp_path, [3, 1, 5, 2, 4])
+    wanted = np.random.default_rng(0).permutation(15)
+    for max_open in (1, 2, 5):  # fewer open maps than shards touched: gathered in parts of max_open shards
+        ds = ShardSetDataset(paths, rows, columns=["id", "image", KEY_COLUMN], max_open_shards=max_open)
+        batch = ds.__getitems__(wanted)
+        if max_open == 5:
+            assert batch["id"].tolist() == wanted.tolist(), "one part: exactly the order asked"
+        assert sorted(batch["id"].tolist()) == list(range(15))
+        assert batch[KEY_COLUMN] == [str(i) for i in batch["id"].tolist()], "string column in the same row order"
+        _check_rows(batch, wanted)
+
+
 def test_getitem_returns_one_sample(tmp_path: Path) -> None:
     ds = ShardSetDataset(*_shards(tmp_path, [5, 5]))
     sample = ds[7]
@@ -71,7 +84,7 @@ def test_string_columns_and_the_key_come_as_str(tmp_path: Path) -> None:
     paths, rows = _shards(tmp_path, [4, 4])
     ds = ShardSetDataset(paths, rows, columns=["id", KEY_COLUMN])
     batch = ds.__getitems__([6, 1])
-    assert batch[KEY_COLUMN] == [str(int(i)) for i in batch["id"]] and batch[KEY_COLUMN] == ["1", "6"]
+    assert batch[KEY_COLUMN] == [str(int(i)) for i in batch["id"]] and batch[KEY_COLUMN] == ["6", "1"]
     table = pa.table({"text": pa.array(["é", None, "xyz"], pa.large_string())})
     write_shard(table, tmp_path / "t.tmp", tmp_path / "t.arrow")
     assert ShardSetDataset([tmp_path / "t.arrow"], [3]).__getitems__([2, 1, 0])["text"] == ["xyz", None, "é"]

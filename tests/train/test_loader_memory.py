@@ -19,7 +19,7 @@ from epochcache.config import Config
 from epochcache.tools.pss import process_tree, tree_pss_bytes
 
 EPOCHS = 20
-MEASURE_AT = 2  # a batch early in each epoch: the next epoch's workers are not started yet
+MEASURE_AT = 2  # a batch early in each epoch
 
 
 @pytest.mark.slow
@@ -36,7 +36,7 @@ def test_process_tree_pss_grows_under_2_percent_from_epoch_2_to_20(
             for number, batch in enumerate(loader):
                 assert batch["image"].shape[0] <= 64
                 if number == MEASURE_AT:
-                    # the last epoch's workers shut down in the background: measure this epoch's alone
+                    # the loader and its 2 worker processes, kept across epochs
                     wait_for(lambda: len(process_tree(os.getpid())) == 3, timeout=30)
                     pss.append(tree_pss_bytes())
     print("PSS per epoch (MiB):", [round(p / 2**20, 1) for p in pss])

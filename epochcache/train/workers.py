@@ -1,0 +1,221 @@
+"""WorkerPool: DataLoader worker processes kept from epoch to epoch, fed one epoch after another.
+
+In: per epoch, its :class:`ShardSetDataset` and batch sampler (:meth:`WorkerPool.queue`); out: per
+epoch, exactly its batches, in order (:meth:`WorkerPool.batches`), as the training process's own
+tensors (through the shared-memory slots of :mod:`epochcache.train.slots`, or the pipe).
+
+One DataLoader with persistent workers reads a :class:`_Feed`: a batch sampler whose items, ``(epoch
+tag, serial, indices)``, are queued epoch after epoch. The next epoch is queued while the current
+one's last batches are still being read, so the DataLoader's one iteration runs on across the
+boundary: the workers start on the next epoch as soon as they are free, with no fork and no new
+iterator (forking 2 workers took 27-68 ms of the main thread at every epoch start). An epoch's
+dataset reaches each worker through that worker's own queue (a pipe made before the fork, fed by a
+thread so a large dataset never blocks the trainer), where a thread of the worker opens it ahead of
+its first item; the worker drops an epoch's dataset (unmapping its shards) at the next epoch's first item.
+Only paths travel; the user's transforms reached the workers once, through the fork.
+
+Invariant: every item queued is read back, in order, before the pool is used again (``serial`` is the
+slot number, which the slot ring needs in order, and the items of an epoch left unread would be
+handed out as the next epoch's batches). So an epoch left early, or queued and dropped, closes the
+pool: :meth:`WorkerPool.settled` tells the loader, which makes a new one for the next epoch.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import multiprocessing
+import threading
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from epochcache.train.dataset import ShardSetDataset, Views
+from epochcache.train.mappings import ShardMaps
+from epochcache.train.order import EpochBatches
+from epochcache.train.slots import Layout, SlotRing
+from epochcache.train.transform import BatchTransform, SampleTransform, TransformedDataset
+from epochcache.train.wire import from_wire, to_wire
+
+Item = tuple[int, int, np.ndarray]  # (epoch tag, serial number of the batch in the pool, indices)
+
+
+class _Feed:
+    """The DataLoader's batch sampler: the items queued, in order. It runs dry (StopIteration) while
+    nothing is queued and hands out items again once more are: the DataLoader asks again at each batch."""
+
+    def __init__(self) -> None:
+        self._epochs: deque[Iterator[Item]] = deque()
+        self.handed = 0  # items given to the DataLoader so far
+
+    def extend(self, items: Iterator[Item]) -> None:
+        self._epochs.append(items)
+
+    def __iter__(self) -> _Feed:
+        return self
+
+    def __next__(self) -> Item:
+        while self._epochs:
+            item = next(self._epochs[0], None)
+            if item is not None:
+                self.handed += 1
+                return item
+            self._epochs.popleft()
+        raise StopIteration
+
+
+class _WorkerData(Dataset[Any]):
+    """In a worker: the batch of an item, from the dataset of its epoch (see the module docstring),
+    as a :class:`~epochcache.train.slots.SlotBatch` when it fits its slot, else the batch itself.
+
+    A thread of the worker receives each epoch's dataset as soon as it is queued and opens it (maps
+    its shards, through this worker's mappings kept across epochs), while the worker still builds the
+    last epoch's batches: the next epoch's first batch then costs no more than any other."""
+
+    def __init__(self, datasets: list[Any], ring: SlotRing | None, transform: BatchTransform | None,
+                 sample_transform: SampleTransform | None):
+        self._datasets, self._ring = datasets, ring
+        self._transform, self._sample_transform = transform, sample_transform
+        self._loaded: dict[int, TransformedDataset] = {}  # by epoch tag: the current and the next
+        self._ready = threading.Condition()
+        self._receiver: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        raise TypeError("a worker pool's dataset changes per epoch: it has no length")
+
+    def __getitem__(self, index: int) -> Any:
+        raise TypeError("a worker pool's dataset is read by batch: give it (tag, serial, indices) to __getitems__")
+
+    def __getitems__(self, item: Item) -> Any:
+        tag, serial, indices = item
+        batch = self._epoch(tag).__getitems__(indices)
+        if self._ring is None:
+            return batch
+        return self._ring.send(serial, batch) or batch
+
+    def _epoch(self, tag: int) -> TransformedDataset:
+        """Epoch ``tag``'s dataset, once received; the earlier epochs' are dropped (their shards unmapped)."""
+        if self._receiver is None:
+            info = get_worker_info()
+            if info is None:
+                raise RuntimeError("_WorkerData is read in DataLoader workers only")
+            self._receiver = threading.Thread(
+                target=self._receive, args=(self._datasets[info.id],), name="epochcache-datasets", daemon=True
+            )
+            self._receiver.start()
+        with self._ready:
+            self._ready.wait_for(lambda: tag in self._loaded)
+            for old in [t for t in self._loaded if t < tag]:
+                del self._loaded[old]
+            return self._loaded[tag]
+
+    def _receive(self, datasets: Any) -> None:
+        """The receiving thread: each dataset queued for this worker, opened, then made available."""
+        maps: ShardMaps[Views] | None = None
+        while True:
+            tag, dataset = datasets.get()
+            if maps is None:
+                maps = ShardMaps(dataset.max_open_shards)
+            dataset.use_maps(maps)
+            dataset.open()
+            with self._ready:
+                self._loaded[tag] = TransformedDataset(dataset, self._transform, self._sample_transform)
+                self._ready.notify_all()
+
+
+class WorkerPool:
+    """``workers`` processes building batches of ``batch_size`` rows, ``prefetch`` batches each ahead;
+    ``layout`` (fixed-width columns, name -> dtype, item shape): the slots' columns, empty for none."""
+
+    def __init__(self, workers: int, prefetch: int, batch_size: int, layout: Layout,
+                 transform: BatchTransform | None, sample_transform: SampleTransform | None):
+        fork = multiprocessing.get_context("fork")
+        self._datasets = [fork.Queue() for _ in range(workers)]
+        self.layout = dict(layout)
+        # The DataLoader asks for at most prefetch batches per worker ahead of the batch being handed
+        # out; two slots more leave room for the batch being copied out and a worker running ahead.
+        self._ring = SlotRing(layout, batch_size, prefetch * workers + 2) if layout else None
+        self._feed = _Feed()
+        self._loader = DataLoader(
+            # the ring and the queues reach the workers through fork (neither can be pickled)
+            _WorkerData(self._datasets, self._ring, transform, sample_transform),  # type: ignore[arg-type]
+            batch_sampler=self._feed, num_workers=workers, collate_fn=to_wire,  # type: ignore[arg-type]
+            prefetch_factor=prefetch, persistent_workers=True, multiprocessing_context="fork",
+        )
+        self._iterator: Iterator[Any] | None = None
+        self._tags = itertools.count()
+        self._queued = 0  # items queued, which are the serial numbers so far
+        self._taken = 0  # batches read back
+        self.closed = False
+
+    def queue(self, dataset: ShardSetDataset, sampler: EpochBatches) -> None:
+        """Queue an epoch: ``sampler``'s batches of ``dataset``, after every epoch queued before."""
+        tag, first = next(self._tags), self._queued
+        for datasets in self._datasets:
+            datasets.put((tag, dataset))  # pickled by the queue's thread: only paths, see ShardSetDataset
+        self._queued += len(sampler)
+        self._feed.extend((tag, first + k, indices) for k, indices in enumerate(sampler))
+
+    def batches(self, count: int) -> Iterator[Any]:
+        """The next ``count`` batches queued. Call from the main thread: the first call forks the workers
+        (forked from another thread, they exit with code 1 at shutdown under torch 2.x)."""
+        for _ in range(count):
+            if self._iterator is None or self._feed.handed == self._taken:
+                # Nothing in flight: the DataLoader's iteration has ended (or not begun); a new one
+                # (the workers kept) takes the items queued since.
+                if self._iterator is None:
+                    # The objects alive now are shared with the workers, page by page, until written.
+                    # A full collection writes to every object it visits (in any of the processes), so
+                    # pages were copied, epoch after epoch; frozen objects are never visited. (The
+                    # garbage among them is kept: it is what the workers inherit anyway.)
+                    gc.freeze()
+                self._iterator = iter(self._loader)
+            message = next(self._iterator)
+            self._taken += 1
+            if self._ring is not None:
+                yield self._ring.receive(message)
+            else:
+                yield from_wire(message)
+
+    @property
+    def settled(self) -> bool:
+        """Whether every item queued has been read back (the pool can take the next epoch)."""
+        return not self.closed and self._taken == self._queued
+
+    def close(self) -> None:
+        """Stop the workers; batches not yet read are dropped."""
+        self.closed = True
+        self._iterator = None  # the DataLoader iterator shuts its workers down when dropped
+        self._loader = None  # type: ignore[assignment]
+        for datasets in self._datasets:
+            datasets.cancel_join_thread()  # a worker gone may leave a dataset unread: never wait on it
+            datasets.close()
+
+
+class PoolEpoch:
+    """One epoch's batches from ``pool``: queued by :meth:`start` (once, from any thread), read by
+    :meth:`batches` (the main thread)."""
+
+    def __init__(self, pool: WorkerPool, dataset: ShardSetDataset, sampler: EpochBatches):
+        self.pool, self._dataset, self._sampler = pool, dataset, sampler
+        self._started = False
+        self._left = len(sampler)
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self.pool.queue(self._dataset, self._sampler)
+
+    def batches(self) -> Iterator[Any]:
+        self.start()
+        for batch in self.pool.batches(self._left):
+            self._left -= 1
+            yield batch
+
+    def close(self) -> None:
+        """Close the pool if this epoch was queued and not read to its end (see the module docstring)."""
+        if self._started and self._left:
+            self.pool.close()
