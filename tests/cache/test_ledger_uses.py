@@ -80,9 +80,9 @@ def test_counts_stay_exact_through_trainers_retiring_quarantine_and_adoption(tmp
     daemon, trainers = Ledger(tmp_path / "ledger"), [Ledger(tmp_path / "ledger") for _ in range(2)]
     model, leases, made = Model(), [], 0
     min_uses = MinUses(Fifo(), 2)
-    for step in range(160):
-        op = rng.choice(["publish", "publish", "adopt", "snapshot", "snapshot", "release", "evict", "clear",
-                         "quarantine"])
+    for step in range(200):
+        op = rng.choice(["publish", "publish", "adopt", "snapshot", "snapshot", "release", "release", "release",
+                         "evict", "evict", "clear", "quarantine"])
         if op in ("publish", "adopt") or not model.uses:
             made += 1
             if op == "adopt":  # e.g. a shard found whole at start, its counts from elsewhere
