@@ -116,15 +116,24 @@ def _sort_key(row: Sequence[Any]) -> tuple[Any, ...]:
 _MISSES = 16
 
 
+# The row numbers a random walk draws from (two subqueries: ``min(n), max(n)`` in one would scan).
+SPAN = "SELECT (SELECT min(n) FROM shards), (SELECT max(n) FROM shards)"
+
+
+def draw(stage: Stage) -> str:
+    """The statement that looks a drawn row number ``:n`` up: a record if it is a candidate of ``stage``."""
+    return f"SELECT {COLUMNS} FROM shards WHERE n = :n AND state = 0{_bounds(stage)}"
+
+
 def _random(con: sqlite3.Connection, stage: Stage, args: dict[str, Any]) -> Iterator[Sequence[Any]]:
     """Candidates of ``stage`` in uniformly random order: row numbers drawn at random (each a rowid
     lookup, O(log n)), a draw that is no candidate drawn again; when too many draws miss, the
     candidates not yet drawn, shuffled (one scan)."""
     rng = random.Random(stage.seed)
-    lo, hi = con.execute("SELECT min(n), max(n) FROM shards").fetchone()
+    lo, hi = con.execute(SPAN).fetchone()
     if lo is None:
         return
-    probe = f"SELECT {COLUMNS} FROM shards WHERE n = :n AND state = 0{_bounds(stage)}"
+    probe = draw(stage)
     drawn: set[int] = set()
     misses = 0
     while misses < _MISSES * (len(drawn) + 1):

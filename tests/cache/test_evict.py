@@ -8,7 +8,7 @@ import pytest
 
 from epochcache.cache.evict import POLICIES, Fifo, Lru, MaxUses, MinUses, MostUsed, Random, policy_named
 from epochcache.cache.ledger import Ledger, ShardRecord, _choose
-from epochcache.cache.ledger_uses import walks
+from epochcache.cache.ledger_uses import SPAN, draw, walks
 from epochcache.errors import ConfigError
 
 
@@ -148,6 +148,17 @@ def test_indexed_policies_walk_an_index_never_sort_the_cache(tmp_path: Path, pol
             f"EXPLAIN QUERY PLAN {sql}", {"g": 0, "t": 0.0, "at_least": 1, "below": 3})]
         assert "USING" in plan[0] and "INDEX" in plan[0], plan
         assert "USE TEMP B-TREE FOR ORDER BY" not in plan, plan
+    ledger.close()
+
+
+def test_random_eviction_looks_up_rows_never_scans(tmp_path: Path) -> None:
+    """A random walk's draws cost O(log n) each: its span and its lookups search, never scan."""
+    ledger = Ledger(tmp_path / "ledger")
+    for stage in MinUses(MaxUses(Random(), 3), 1).stages() or []:
+        for sql in (SPAN, draw(stage)):
+            plan = [row[3] for row in ledger._db().execute(
+                f"EXPLAIN QUERY PLAN {sql}", {"n": 1, "g": 0, "t": 0.0, "at_least": 1, "below": 3})]
+            assert not [step for step in plan if step.startswith("SCAN shards")], (sql, plan)
     ledger.close()
 
 
