@@ -4,9 +4,10 @@ A lease holds every shard published up to a row number less its excluded rows (s
 :meth:`epochcache.cache.ledger.Ledger.snapshot`). Its records carry what a reader needs: file name,
 bytes, rows, checksum, schema, whether the checksum was verified, creation time; neither unit keys
 nor use counts (``units`` empty, ``uses`` 0, ``last_used`` None: the ledger's own records have them).
-Those fields never change for a row (a row number is never reused; only ``verified`` turns true),
-so a process that leases the cache epoch after epoch decodes each shard's record once: each later
-lease reads two columns per shard and decodes only the rows that are new or newly verified.
+Those fields never change for a row (a row number is never reused in a database; only ``verified``
+turns true), so a process that leases the cache epoch after epoch decodes each shard's record once:
+each later lease of the same database (its ``database`` name in ``kv``: a rebuilt ledger has
+another) reads two columns per shard and decodes only the rows that are new or newly verified.
 
 In: a connection inside a read transaction. Out: a tuple of :class:`ShardRecord`, in row order.
 """
@@ -44,14 +45,16 @@ class LeasedRecords:
 
     def __init__(self) -> None:
         self._known: dict[int, ShardRecord] = {}
+        self._database = ""  # the name of the database they were read from
 
     def read(self, con: sqlite3.Connection, lease_id: str, upto: int) -> tuple[ShardRecord, ...]:
         """The records of lease ``lease_id`` (rows ``<= upto`` less its excluded rows), in row order."""
         excluded = {n for (n,) in con.execute("SELECT shard FROM lease_excluded WHERE lease = ?", (lease_id,))}
-        found = self._reuse(con, upto) if self._known else None
+        database = con.execute("SELECT value FROM kv WHERE key = 'database'").fetchone()[0]
+        found = self._reuse(con, upto) if self._known and database == self._database else None
         if found is None:  # the first lease of this process, or most records changed: read every one
             found = _decode(con.execute(f"SELECT {_STATIC} FROM shards WHERE n <= ? ORDER BY n", (upto,)))
-        self._known = found
+        self._known, self._database = found, database
         if not excluded:
             return tuple(found.values())
         return tuple(record for n, record in found.items() if n not in excluded)

@@ -14,7 +14,8 @@ processes that open the cache):
 - ``leases`` and ``lease_excluded``: a lease holds every shard with row number ``<= upto`` except
   those listed as excluded (retiring when it was taken); row numbers are never reused.
 - ``quarantine``, ``skipped``, ``listing_pages``, ``counters``, ``kv`` (cursor, daemon state,
-  identity, listings' headers, the reservation, as JSON).
+  identity, listings' headers, the reservation, as JSON; ``database``: a random name given when the
+  database is created, so a process that kept records by row number knows a rebuilt one).
 - ``trained_units``: the hash of every unit an epoch has trained on (``shards.trained`` marks the
   shards whose units are in, so an epoch adds only those of shards no epoch trained on before), and
   ``epochs``: one row per epoch run (its lease, samples, samples trained so far, distinct samples
@@ -105,6 +106,7 @@ CREATE TABLE IF NOT EXISTS listing_pages(stream TEXT NOT NULL, number INTEGER NO
                            PRIMARY KEY(stream, number)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS counters(name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS kv(key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+INSERT OR IGNORE INTO kv VALUES ('database', '"' || lower(hex(randomblob(16))) || '"');
 CREATE INDEX IF NOT EXISTS shards_untrained ON shards(n) WHERE trained = 0;
 CREATE TABLE IF NOT EXISTS trained_units(h INTEGER PRIMARY KEY) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS epochs(n INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, lease TEXT NOT NULL,

@@ -65,7 +65,7 @@ def as_version_2(path: Path) -> None:
     """Turn a fresh ledger (no snapshot taken yet) into the layout version 2 wrote."""
     con = sqlite3.connect(path)
     con.executescript("DROP INDEX shards_fresh; DROP INDEX shards_wear; DROP TABLE generation; "
-                      "ALTER TABLE shards DROP COLUMN born; "
+                      "ALTER TABLE shards DROP COLUMN born; DELETE FROM kv WHERE key = 'database'; "
                       "CREATE INDEX shards_recency ON shards(state, recency, created); "
                       "CREATE INDEX shards_uses ON shards(state, uses DESC, created); PRAGMA user_version=2;")
     con.close()
@@ -120,6 +120,7 @@ def test_a_version_2_ledger_is_upgraded_in_place_without_losing_counts(layout: C
                                                          "0003-shard": 1}
     assert after["0002-shard"].last_used == 200.0 and before <= after["0001-shard"].last_used <= time.time()
     assert ledger._db().execute("PRAGMA user_version").fetchone()[0] == ledger_schema.VERSION == 3
+    assert ledger._get("database"), "the upgrade names the database"
     indexes = {name for (name,) in ledger._db().execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert {"shards_fresh", "shards_wear"} <= indexes and not {"shards_recency", "shards_uses"} & indexes
     ledger.close()

@@ -162,3 +162,21 @@ def test_random_eviction_walk_draws_every_candidate_and_only_candidates(ledger: 
     assert max(firsts.values()) < 60, "about 20 each of 60 candidates"
     ledger.drop([f"s{i:03d}" for i in range(3, 60)])  # 3 candidates among 63 rows spread over 120
     assert sorted(r.id for r in _choose(ledger._db(), policy, 100 * S)) == ["s000", "s001", "s002"]
+
+
+def test_records_kept_by_row_number_are_not_reused_from_a_rebuilt_database(tmp_path: Path) -> None:
+    """A ledger rebuilt under a process (``verify --fix`` elsewhere, then a fork reconnects) numbers
+    its rows anew: the records this process kept by row number are read again, not handed out."""
+    trainer = Ledger(tmp_path / "ledger")
+    trainer.adopt([record(i) for i in range(20)])
+    assert [r.id for r in trainer.snapshot("t", ttl_s=60).shards][:2] == ["s000", "s001"]
+    trainer._con.close()
+    for name in ("ledger.sqlite3", "ledger.sqlite3-wal", "ledger.sqlite3-shm"):
+        (tmp_path / "ledger" / name).unlink(missing_ok=True)
+    rebuilt = Ledger(tmp_path / "ledger")
+    rebuilt.adopt([record(i) for i in reversed(range(20))])  # row 1 is now s019
+    rebuilt.close()
+    trainer._pid = -1  # as in a forked child: the next statement reconnects, to the rebuilt database
+    lease = trainer.snapshot("t", ttl_s=60)
+    assert [(r.id, r.filename) for r in lease.shards][:2] == [("s019", "s019.arrow"), ("s018", "s018.arrow")]
+    trainer.close()
