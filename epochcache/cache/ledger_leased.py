@@ -18,11 +18,10 @@ import sqlite3
 from collections.abc import Iterable
 from typing import Any
 
-from epochcache.cache.layout import SHARD_SUFFIX
 from epochcache.cache.ledger_records import ShardRecord
+from epochcache.cache.ledger_uses import FILENAME
 
-_STATIC = (f"n, id, coalesce(file, id || '.' || checksum || '{SHARD_SUFFIX}'), bytes, rows, created, checksum, "
-           "schema, verified")
+_STATIC = f"n, id, {FILENAME}, bytes, rows, created, checksum, schema, verified"
 _new = object.__new__
 
 

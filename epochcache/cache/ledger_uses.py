@@ -36,9 +36,10 @@ USES = "uses + :g - born"
 LAST_USED = "CASE WHEN born < :g THEN :t ELSE last_used END"
 RECENCY = "CASE WHEN born < :g THEN :t ELSE recency END"
 
+# A shard's file name: ``file`` is NULL where it is the canonical ``<id>.<checksum>.arrow``.
+FILENAME = f"coalesce(file, id || '.' || checksum || '{SHARD_SUFFIX}')"
 # A record's columns in ShardRecord's order, counts derived, ``units`` as JSON.
-COLUMNS = (f"n, id, coalesce(file, id || '.' || checksum || '{SHARD_SUFFIX}'), bytes, rows, created, checksum, "
-           f"units, {USES}, {LAST_USED}, schema, verified")
+COLUMNS = f"n, id, {FILENAME}, bytes, rows, created, checksum, units, {USES}, {LAST_USED}, schema, verified"
 _WIDTH = 12  # the fields of a record row; a walk's rows add their sort key after them
 
 # Counts folded into the row as of generation :g (a shard leaving the live set: retiring).
