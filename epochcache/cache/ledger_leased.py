@@ -22,19 +22,20 @@ from epochcache.cache.ledger_records import ShardRecord
 from epochcache.cache.ledger_uses import FILENAME
 
 _STATIC = f"n, id, {FILENAME}, bytes, rows, created, checksum, schema, verified"
-_new = object.__new__
+_new, _set = object.__new__, object.__setattr__
 
 
 def _decode(rows: Iterable[tuple[Any, ...]]) -> dict[int, ShardRecord]:
     """Records of rows of :data:`_STATIC`, by row number."""
     out: dict[int, ShardRecord] = {}
     for n, sid, filename, nbytes, count, created, checksum, schema, verified in rows:
-        # Filled in place rather than through the frozen dataclass's __init__ (one object.__setattr__
-        # per field): a first lease decodes every record of the cache. ``uses`` and ``last_used`` are
-        # left to the dataclass's defaults (class attributes: 0 and None).
+        # Given its __dict__ whole rather than through the frozen dataclass's __init__ (one
+        # object.__setattr__ per field): a first lease decodes every record of the cache. ``uses`` and
+        # ``last_used`` are left to the dataclass's defaults (class attributes: 0 and None).
         record: ShardRecord = _new(ShardRecord)
-        record.__dict__.update(id=sid, filename=filename, nbytes=nbytes, rows=count, created=created,
-                               checksum=checksum, units=(), schema=schema, verified=verified == 1)
+        _set(record, "__dict__", {"id": sid, "filename": filename, "nbytes": nbytes, "rows": count,
+                                  "created": created, "checksum": checksum, "units": (), "schema": schema,
+                                  "verified": verified == 1})
         out[n] = record
     return out
 
