@@ -12,20 +12,21 @@ shards used ``max_uses`` times or more go first, oldest first, then the wrapped 
 :class:`MinUses` (``cache.min_uses``) wraps the result: a shard fewer epochs have used never goes.
 Every policy labels its victims, so the ledger counts evictions per policy.
 
-Each policy but ``random`` also gives its order as SQL (``stages()``: ``(where, order by)`` over the
-ledger's ``shards`` columns, each served by an index), so the ledger walks the index for k victims in
-O(k log n) instead of loading every record; ``__call__`` is the same order over a list (tests, and
-the ledger's fallback for ``random``, which loads every live record: O(n)).
+Each policy also gives its order as :class:`Stage` values (``stages()``: an order and bounds on
+uses), which the ledger walks by index for k victims in O(k log n) instead of loading every record
+(:mod:`epochcache.cache.ledger_uses`); ``__call__`` is the same order over a list (tests, and
+choosers without stages). ``random`` draws the same distribution both ways, not the same draws.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Protocol
 
 from epochcache.cache.ledger import ShardRecord, by_age, take_until
+from epochcache.cache.ledger_records import Stage
 from epochcache.errors import ConfigError
 
 
@@ -58,8 +59,8 @@ class Fifo(_Named):
     def __call__(self, candidates: Sequence[ShardRecord], need: int) -> list[ShardRecord]:
         return take_until(sorted(candidates, key=by_age), need)
 
-    def stages(self) -> list[tuple[str, str]]:
-        return [("1", "created, id")]
+    def stages(self) -> list[Stage]:
+        return [Stage("age")]
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,8 @@ class Lru(_Named):
 
         return take_until(sorted(candidates, key=key), need)
 
-    def stages(self) -> list[tuple[str, str]]:
-        return [("1", "recency, created, id")]  # recency: last_used, or created if never used
+    def stages(self) -> list[Stage]:
+        return [Stage("recency")]
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,8 @@ class MostUsed(_Named):
     def __call__(self, candidates: Sequence[ShardRecord], need: int) -> list[ShardRecord]:
         return take_until(sorted(candidates, key=lambda r: (-r.uses, *by_age(r))), need)
 
-    def stages(self) -> list[tuple[str, str]]:
-        return [("1", "uses DESC, created, id")]
+    def stages(self) -> list[Stage]:
+        return [Stage("uses")]
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,9 @@ class Random(_Named):
         ordered = sorted(candidates, key=by_age)  # a fixed start, so a seed means one order
         random.Random(self.seed).shuffle(ordered)
         return take_until(ordered, need)
+
+    def stages(self) -> list[Stage]:
+        return [Stage("random", seed=self.seed)]
 
 
 @dataclass(frozen=True)
@@ -121,16 +125,15 @@ class MaxUses:
         rest = [r for r in candidates if r.uses < self.max_uses]
         return taken + self.policy(rest, need - sum(r.nbytes for r in taken))
 
-    def stages(self) -> list[tuple[str, str]] | None:
-        """Worn shards oldest first (the age index, filtered), then the wrapped policy's stages;
-        None if the wrapped policy has none."""
+    def stages(self) -> list[Stage] | None:
+        """Worn shards oldest first, then the wrapped policy's stages below ``max_uses``; None if the
+        wrapped policy has none."""
         inner = getattr(self.policy, "stages", None)
         if inner is None:
             return None
-        # ``+uses``: a filter, not an index bound, so each stage walks its policy's order index
-        # (the uses index would make SQLite sort every match before the first victim).
-        worn = [(f"+uses >= {int(self.max_uses)}", "created, id")]
-        return worn + [(f"+uses < {int(self.max_uses)} AND ({where})", order) for where, order in inner()]
+        worn = Stage("age", at_least=self.max_uses)
+        return [worn] + [replace(s, below=min(self.max_uses, s.below if s.below is not None else self.max_uses))
+                         for s in inner()]
 
     def label(self, victim: ShardRecord) -> str:
         return "max_uses" if victim.uses >= self.max_uses else self.policy.label(victim)
@@ -152,13 +155,12 @@ class MinUses:
     def __call__(self, candidates: Sequence[ShardRecord], need: int) -> list[ShardRecord]:
         return self.policy([r for r in candidates if r.uses >= self.min_uses], need)
 
-    def stages(self) -> list[tuple[str, str]] | None:
-        """The wrapped policy's stages, each filtered (``+uses``: a filter, not an index bound, so
-        each stage still walks its order's index); None if the wrapped policy has none."""
+    def stages(self) -> list[Stage] | None:
+        """The wrapped policy's stages, none reaching below ``min_uses``; None if it has none."""
         inner = getattr(self.policy, "stages", None)
         if inner is None:
             return None
-        return [(f"+uses >= {int(self.min_uses)} AND ({where})", order) for where, order in inner()]
+        return [replace(s, at_least=max(s.at_least, self.min_uses)) for s in inner()]
 
     def label(self, victim: ShardRecord) -> str:
         return self.policy.label(victim)

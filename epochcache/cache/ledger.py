@@ -44,7 +44,8 @@ import xxhash
 
 from epochcache.cache.layout import SHARD_SUFFIX
 from epochcache.cache.lease_owner import Owner, this_process
-from epochcache.cache.ledger_records import Lease, Quarantined, ShardRecord, Usage, by_age, take_until
+from epochcache.cache.ledger_leased import LeasedRecords
+from epochcache.cache.ledger_records import Lease, Quarantined, ShardRecord, Stage, Usage, by_age, take_until
 from epochcache.cache.ledger_schema import (
     DB_NAME,
     LEGACY_DB_NAME,
@@ -54,11 +55,12 @@ from epochcache.cache.ledger_schema import (
     open_database,
     readable_errors,
 )
+from epochcache.cache.ledger_uses import COLUMNS, FOLD, advance, choose_by_index, clock, record
 from epochcache.cache.shard_files import whole_shards
 from epochcache.errors import LedgerError
 
 __all__ = ["LEDGER_RESERVE", "OPEN_PATIENCE_S", "PUBLISH_GROWTH", "Chooser", "Lease", "Ledger", "Quarantined",
-           "ShardRecord", "Usage", "by_age", "take_until"]
+           "ShardRecord", "Stage", "Usage", "by_age", "take_until"]
 
 log = logging.getLogger(__name__)
 
@@ -72,30 +74,9 @@ PUBLISH_GROWTH = 64 * 1024
 # Victim chooser (an eviction policy): (shards not yet retiring, leased or not, bytes to free) ->
 # shards to retire, in order. If it has a ``label(record) -> str`` method, evictions are counted per
 # label (``evicted.fifo``, ``evicted.max_uses``...), else under its ``name``. If its ``stages()``
-# gives ``(where, order by)`` clauses over ``shards`` columns, the ledger walks them in turn by index
-# (a shard picked by one stage is not picked again) instead of loading every candidate.
+# gives :class:`Stage` values, the ledger walks them in turn by index (a shard picked by one stage
+# is not picked again) instead of loading every candidate.
 Chooser = Callable[[Sequence[ShardRecord], int], Sequence[ShardRecord]]
-
-
-_COLUMNS = "n, id, file, bytes, rows, created, checksum, units, uses, last_used, schema, verified"
-# A lease's records leave out their unit keys: readers never need them, and decoding them was most
-# of the cost of a snapshot of a large cache.
-_LEASED_COLUMNS = _COLUMNS.replace("units", "NULL")
-_LIVE, _RETIRING = 0, 1
-
-
-def _record(row: sqlite3.Row | tuple[Any, ...]) -> ShardRecord:
-    _, sid, file, nbytes, rows, created, checksum, units, uses, last_used, schema, verified = row
-    # Filled in place rather than through the frozen dataclass's __init__ (one object.__setattr__ per
-    # field): a snapshot decodes every record of the cache, and this halves its cost.
-    record: ShardRecord = _new(ShardRecord)
-    record.__dict__.update(id=sid, filename=file or f"{sid}.{checksum}{SHARD_SUFFIX}", nbytes=nbytes, rows=rows,
-                           created=created, checksum=checksum, units=tuple(json.loads(units)) if units else (),
-                           uses=uses, last_used=last_used, schema=schema, verified=bool(verified))
-    return record
-
-
-_new = object.__new__
 
 
 def _unit_hash(key: str) -> int:
@@ -122,6 +103,7 @@ class Ledger:
         migrate = legacy.exists() and not self.path.exists()
         self._con = open_database(self.path, connect)
         self._pid = os.getpid()
+        self._leased = LeasedRecords()  # the last lease's records, reused by the next
         if migrate:
             self._migrate(legacy)
 
@@ -206,14 +188,14 @@ class Ledger:
     def shards(self) -> list[ShardRecord]:
         """All published shards, oldest first."""
         with self._read() as con:
-            return [_record(r) for r in con.execute(f"SELECT {_COLUMNS} FROM shards ORDER BY created, id")]
+            return [record(r) for r in con.execute(f"SELECT {COLUMNS} FROM shards ORDER BY created, id", clock(con))]
 
     def newest(self, n: int) -> list[ShardRecord]:
         """The ``n`` newest published shards, newest first (one index walk)."""
         with self._read() as con:
-            rows = con.execute(f"SELECT {_COLUMNS} FROM shards INDEXED BY shards_age WHERE state IN (0, 1) "
-                               "ORDER BY created DESC, id DESC LIMIT ?", (n,)).fetchall()
-        return [_record(r) for r in rows]
+            rows = con.execute(f"SELECT {COLUMNS} FROM shards INDEXED BY shards_age WHERE state IN (0, 1) "
+                               "ORDER BY created DESC, id DESC LIMIT :n", {**clock(con), "n": n}).fetchall()
+        return [record(r) for r in rows]
 
     def cached_units(self, keys: Iterable[str]) -> set[str]:
         """Which of ``keys`` are units of a published shard."""
@@ -268,16 +250,16 @@ class Ledger:
     def quarantine(self, shard_id: str, reason: str) -> ShardRecord | None:
         """Move a shard's record to the quarantine, its bytes still charged; None if not published."""
         with self._write() as con:
-            row = con.execute(f"SELECT {_COLUMNS} FROM shards WHERE id = ?", (shard_id,)).fetchone()
+            row = con.execute(f"SELECT {COLUMNS} FROM shards WHERE id = :id", {**clock(con), "id": shard_id}).fetchone()
             if row is None:
                 return None
-            record = _record(row)
+            found = record(row)
             _delete(con, [shard_id])
-            data = {**record.__dict__, "units": list(record.units)}
+            data = {**found.__dict__, "units": list(found.units)}
             con.execute("INSERT OR REPLACE INTO quarantine VALUES (?, ?, ?, ?, ?)",
-                        (shard_id, json.dumps(data), record.nbytes, reason, time.time()))
+                        (shard_id, json.dumps(data), found.nbytes, reason, time.time()))
             _incr(con, "quarantined", 1)
-        return record
+        return found
 
     def quarantined(self) -> list[Quarantined]:
         """Quarantined shards, oldest quarantine first."""
@@ -306,8 +288,9 @@ class Ledger:
 
     def disk_bytes(self) -> int:
         """Bytes charged to the ledger: twice its database (a transaction that rewrites every record, a
-        snapshot, puts as much in the WAL) plus :data:`LEDGER_RESERVE`. Charged whether or not the WAL
-        is there now, so a closed ledger (WAL removed) never looks like free room."""
+        first epoch's record marking every shard trained, puts as much in the WAL) plus
+        :data:`LEDGER_RESERVE`. Charged whether or not the WAL is there now, so a closed ledger (WAL
+        removed) never looks like free room."""
         try:
             return 2 * os.stat(self.path).st_size + LEDGER_RESERVE
         except FileNotFoundError:
@@ -344,7 +327,9 @@ class Ledger:
                 retiring_bytes = con.execute("SELECT bytes FROM totals WHERE state = 1").fetchone()[0]
                 if goal > retiring_bytes:
                     picks = _choose(con, choose, goal - retiring_bytes)
-                    con.executemany("UPDATE shards SET state = 1 WHERE id = ?", ((r.id,) for r in picks))
+                    now = clock(con)  # their counts are folded in: snapshots leave retiring shards out
+                    con.executemany(f"UPDATE shards SET {FOLD}, state = 1 WHERE id = :id",
+                                    ({**now, "id": r.id} for r in picks))
                 victims = take_until(_unleased_retiring(con), goal)
                 if sum(v.nbytes for v in victims) < need:
                     return None
@@ -370,27 +355,38 @@ class Ledger:
     # -- leases ---------------------------------------------------------------------------------
 
     def snapshot(self, owner: str, ttl_s: float, holder: Owner | None = None) -> Lease:
-        """Take the current shard set (less retiring shards) and a lease on exactly it, atomically.
+        """Take the current shard set (less retiring shards) and a lease on exactly it.
 
-        The same transaction counts one use of each shard in the set and stamps its ``last_used``
-        (what ``lru``, ``most-used`` and ``max_uses`` decide by); the lease's records carry the
-        counts from before this use. ``holder``: the process the lease lives with (default: this
+        One write transaction (its cost does not grow with the cache) begins a use generation, which
+        counts one use of each shard in the set and stamps its ``last_used`` (what ``lru``,
+        ``most-used``, ``max_uses`` and ``min_uses`` decide by; see :mod:`epochcache.cache.ledger_uses`),
+        and records the lease: every shard published so far less the retiring ones. Its records
+        are then read outside the write lock (the lease keeps them from eviction meanwhile), oldest
+        published first, without unit keys or use counts (:mod:`epochcache.cache.ledger_leased`:
+        decoded once per process). ``holder``: the process the lease lives with (default: this
         one); ``ttl_s`` bounds it only where that process's liveness cannot be checked (another host).
-        The lease's records carry no unit keys (``units`` is empty).
         """
         lease_id = uuid.uuid4().hex
         now = time.time()
         holder = holder or this_process()
         with self._write() as con:
-            rows = con.execute(f"SELECT {_LEASED_COLUMNS} FROM shards INDEXED BY shards_age WHERE state = 0 "
-                               "ORDER BY created, id").fetchall()
-            upto = max((row[0] for row in rows), default=0)
-            con.execute("INSERT INTO lease_excluded SELECT ?, n FROM shards WHERE state <> 0 AND n <= ?",
-                        (lease_id, upto))
-            con.execute("UPDATE shards SET uses = uses + 1, last_used = ?, recency = ? WHERE state = 0", (now, now))
+            advance(con, now)
+            upto = con.execute("SELECT coalesce(max(n), 0) FROM shards").fetchone()[0]
+            con.execute("INSERT INTO lease_excluded SELECT ?, n FROM shards INDEXED BY shards_age WHERE state = 1",
+                        (lease_id,))
+            count = con.execute("SELECT shards FROM totals WHERE state = 0").fetchone()[0]
             con.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (lease_id, owner, holder.host, holder.pid, holder.started, now + ttl_s, now, upto, len(rows)))
-        return Lease(id=lease_id, owner=owner, shards=tuple(_record(r) for r in rows), expires=now + ttl_s)
+                        (lease_id, owner, holder.host, holder.pid, holder.started, now + ttl_s, now, upto, count))
+        return Lease(id=lease_id, owner=owner, shards=self._read_lease(lease_id, upto), expires=now + ttl_s)
+
+    def _read_lease(self, lease_id: str, upto: int) -> tuple[ShardRecord, ...]:
+        """The lease's records; if they cannot be read, the lease ends (no caller could release it)."""
+        try:
+            with self._read() as con:
+                return self._leased.read(con, lease_id, upto)
+        except BaseException:
+            self.release(lease_id)
+            raise
 
     def record_epoch(self, lease_id: str, samples: int) -> None:
         """Record that the epoch holding ``lease_id`` runs, training ``samples`` samples (once per node,
@@ -585,7 +581,7 @@ def _insert(con: sqlite3.Connection, records: Sequence[ShardRecord]) -> None:
         canonical = f"{r.id}.{r.checksum}{SHARD_SUFFIX}"
         cur = con.execute(
             "INSERT INTO shards (id, file, bytes, rows, created, checksum, units, uses, last_used, recency, schema, "
-            "verified) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "verified, born) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, (SELECT g FROM generation))",
             (r.id, None if r.filename == canonical else r.filename, r.nbytes, r.rows, r.created, r.checksum,
              json.dumps(list(r.units)), r.uses, r.last_used, r.created if r.last_used is None else r.last_used,
              r.schema, int(r.verified)))
@@ -606,25 +602,11 @@ def _delete(con: sqlite3.Connection, shard_ids: Sequence[str]) -> None:
 def _choose(con: sqlite3.Connection, choose: Chooser, short: int) -> list[ShardRecord]:
     """Live shards ``choose`` retires to free ``short`` bytes: by index walk if it has stages."""
     stages_of = getattr(choose, "stages", None)
-    stages = stages_of() if stages_of is not None else None
+    stages: list[Stage] | None = stages_of() if stages_of is not None else None
     if stages is None:  # an unindexed chooser sees every candidate
-        rows = con.execute(f"SELECT {_COLUMNS} FROM shards WHERE state = 0").fetchall()
-        return list(choose([_record(r) for r in rows], short))
-    picked: list[ShardRecord] = []
-    seen: set[str] = set()
-    freed = 0
-    for where, order in stages:
-        if freed >= short:
-            break
-        for row in con.execute(f"SELECT {_COLUMNS} FROM shards WHERE state = 0 AND ({where}) ORDER BY {order}"):
-            if freed >= short:
-                break
-            record = _record(row)
-            if record.id not in seen:
-                seen.add(record.id)
-                picked.append(record)
-                freed += record.nbytes
-    return picked
+        rows = con.execute(f"SELECT {COLUMNS} FROM shards WHERE state = 0", clock(con)).fetchall()
+        return list(choose([record(r) for r in rows], short))
+    return choose_by_index(con, stages, short)
 
 
 def _add_epoch(con: sqlite3.Connection, lease_id: str, now: float, samples: int, distinct_new: float) -> None:
@@ -644,15 +626,15 @@ def _add_epoch(con: sqlite3.Connection, lease_id: str, now: float, samples: int,
 def _unleased_retiring(con: sqlite3.Connection) -> list[ShardRecord]:
     """Retiring shards no live lease holds, oldest first."""
     live = _live_leases(con)
-    rows = con.execute(f"SELECT {_COLUMNS} FROM shards INDEXED BY shards_age WHERE state = 1 "
-                       "ORDER BY created, id").fetchall()
+    rows = con.execute(f"SELECT {COLUMNS} FROM shards INDEXED BY shards_age WHERE state = 1 "
+                       "ORDER BY created, id", clock(con)).fetchall()
     if not live:
-        return [_record(r) for r in rows]
+        return [record(r) for r in rows]
     held: dict[str, set[int]] = {
         lease["id"]: {n for (n,) in con.execute("SELECT shard FROM lease_excluded WHERE lease = ?", (lease["id"],))}
         for lease in live
     }
-    return [_record(r) for r in rows
+    return [record(r) for r in rows
             if not any(r[0] <= lease["upto"] and r[0] not in held[lease["id"]] for lease in live)]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,8 @@ class ShardRecord:
     """A published shard: its file name in the shard folder, size, rows and the units it holds.
 
     ``uses`` counts the epochs whose snapshot held it and ``last_used`` is when the latest began
-    (None: never used); the ledger updates both in the transaction that takes a snapshot.
+    (None: never used); the ledger derives both from its use generations (see
+    :mod:`epochcache.cache.ledger_uses`), so a snapshot writes no row per shard.
     """
 
     id: str
@@ -37,9 +38,24 @@ class ShardRecord:
 
 
 @dataclass(frozen=True)
+class Stage:
+    """One indexed pass of an eviction walk: the live shards used ``at_least`` times or more and fewer
+    than ``below`` times (None: no bound), in ``order``: ``age`` (oldest first), ``recency`` (least
+    recently used first; never used counts as used when created), ``uses`` (most used first), ties
+    oldest first, or ``random`` (uniform; ``seed`` None: fresh entropy). A policy states its order
+    as stages; the ledger walks each by an index."""
+
+    order: Literal["age", "recency", "uses", "random"]
+    at_least: int = 0
+    below: int | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
 class Lease:
     """A training epoch's hold on an exact shard set; its shards are not evicted until it ends. Its
-    records carry no unit keys (``units`` is empty): a reader needs files, rows and checksums."""
+    records carry no unit keys and no use counts (``units`` empty, ``uses`` 0, ``last_used`` None):
+    a reader needs files, rows and checksums; the ledger's records have the rest."""
 
     id: str
     owner: str

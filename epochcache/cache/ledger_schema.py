@@ -4,22 +4,29 @@ Tables (every value typed or JSON, never pickle: a file a user can write must no
 processes that open the cache):
 
 - ``shards``: one row per published shard; ``state`` 0 = live, 1 = retiring. ``file`` is NULL when
-  the file has its canonical name ``<id>.<checksum>.arrow``. ``recency`` = ``last_used`` or, never
-  used, ``created`` (the lru order). Indexes give each eviction order and snapshots without a sort.
+  the file has its canonical name ``<id>.<checksum>.arrow``. ``uses``, ``last_used`` and ``recency``
+  (``last_used`` or, never used, ``created``: the lru order) are the shard's counts as of use
+  generation ``born``; each later generation (``generation``: one row, the latest snapshot's number
+  and time) adds one use (see :mod:`epochcache.cache.ledger_uses`), so a snapshot writes no row per
+  shard. Indexes give each eviction order and snapshots without a sort.
 - ``units``: a 64-bit hash of each unit key -> the shard's row, so "is this unit cached" is a lookup.
 - ``totals``: shards, bytes and rows per state, kept by triggers so budget checks are O(1).
 - ``leases`` and ``lease_excluded``: a lease holds every shard with row number ``<= upto`` except
   those listed as excluded (retiring when it was taken); row numbers are never reused.
 - ``quarantine``, ``skipped``, ``listing_pages``, ``counters``, ``kv`` (cursor, daemon state,
-  identity, listings' headers, the reservation, as JSON).
+  identity, listings' headers, the reservation, as JSON; ``database``: a random name given when the
+  database is created, so a process that kept records by row number knows a rebuilt one).
 - ``trained_units``: the hash of every unit an epoch has trained on (``shards.trained`` marks the
   shards whose units are in, so an epoch adds only those of shards no epoch trained on before), and
   ``epochs``: one row per epoch run (its lease, samples, samples trained so far, distinct samples
   trained so far, bytes fetched so far, the shards' bytes, the daemon's estimate of the remote's
   rows), for coverage, echo and ``epochcache plot``.
 
-Versions: 1 lacked ``shards.trained``, ``trained_units`` and ``epochs``; the column is added, then
-every statement here is ``IF NOT EXISTS``, so running them brings a version-1 ledger to this one.
+Versions: 1 lacked ``shards.trained``, ``trained_units`` and ``epochs``; 2 lacked ``shards.born`` and
+``generation`` and counted uses by rewriting every row at each snapshot (indexes ``shards_recency``
+and ``shards_uses`` over the stored counts). The missing columns are added (``born`` = 0 at
+generation 0: every stored count stays as it was), then every statement here is idempotent, so
+running them brings a version-1 or -2 ledger to this one.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import tenacity
 
 from epochcache.errors import LedgerError, LedgerFullError
 
-VERSION = 2
+VERSION = 3
 DB_NAME = "ledger.sqlite3"
 LEGACY_DB_NAME = "cache.db"  # the diskcache ledger of epochcache before the schema
 
@@ -59,11 +66,16 @@ CREATE TABLE IF NOT EXISTS shards(
     state INTEGER NOT NULL DEFAULT 0,
     schema TEXT NOT NULL DEFAULT '',
     verified INTEGER NOT NULL DEFAULT 0,
-    trained INTEGER NOT NULL DEFAULT 0
+    trained INTEGER NOT NULL DEFAULT 0,
+    born INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS shards_age ON shards(state, created, id);
-CREATE INDEX IF NOT EXISTS shards_recency ON shards(state, recency, created);
-CREATE INDEX IF NOT EXISTS shards_uses ON shards(state, uses DESC, created);
+DROP INDEX IF EXISTS shards_recency;
+DROP INDEX IF EXISTS shards_uses;
+CREATE INDEX IF NOT EXISTS shards_fresh ON shards(state, born, recency, created);
+CREATE INDEX IF NOT EXISTS shards_wear ON shards(state, born - uses, created);
+CREATE TABLE IF NOT EXISTS generation(id INTEGER PRIMARY KEY CHECK (id = 0), g INTEGER NOT NULL, at REAL NOT NULL);
+INSERT OR IGNORE INTO generation VALUES (0, 0, 0.0);
 CREATE TABLE IF NOT EXISTS units(h INTEGER NOT NULL, shard INTEGER NOT NULL, PRIMARY KEY(h, shard)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS totals(state INTEGER PRIMARY KEY, shards INTEGER NOT NULL, bytes INTEGER NOT NULL,
                     rows INTEGER NOT NULL);
@@ -94,6 +106,7 @@ CREATE TABLE IF NOT EXISTS listing_pages(stream TEXT NOT NULL, number INTEGER NO
                            PRIMARY KEY(stream, number)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS counters(name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS kv(key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+INSERT OR IGNORE INTO kv VALUES ('database', '"' || lower(hex(randomblob(16))) || '"');
 CREATE INDEX IF NOT EXISTS shards_untrained ON shards(n) WHERE trained = 0;
 CREATE TABLE IF NOT EXISTS trained_units(h INTEGER PRIMARY KEY) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS epochs(n INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, lease TEXT NOT NULL,
@@ -137,8 +150,8 @@ def _open(path: Path, factory: Connect) -> sqlite3.Connection:
         version = con.execute("PRAGMA user_version").fetchone()[0]
         if version < VERSION:
             # Every statement is idempotent, so processes creating (or upgrading) the schema together agree.
-            if version == 1:
-                _add_trained_column(con)
+            if version >= 1:
+                _add_columns(con)
             con.executescript(f"BEGIN IMMEDIATE;{_DDL}PRAGMA user_version={VERSION};COMMIT;")
         elif version != VERSION:
             raise LedgerError(
@@ -151,13 +164,19 @@ def _open(path: Path, factory: Connect) -> sqlite3.Connection:
     return con
 
 
-def _add_trained_column(con: sqlite3.Connection) -> None:
-    """Version 1 -> 2: ``shards.trained`` (the statements of the schema cannot add a column)."""
+# Columns later versions added to ``shards`` (the statements of the schema cannot add a column).
+_ADDED_COLUMNS = {"trained": "INTEGER NOT NULL DEFAULT 0",  # version 2
+                  "born": "INTEGER NOT NULL DEFAULT 0"}  # version 3: stored counts are as of generation 0
+
+
+def _add_columns(con: sqlite3.Connection) -> None:
+    """Add the columns of :data:`_ADDED_COLUMNS` an older ledger's ``shards`` lacks."""
     con.execute("BEGIN IMMEDIATE")
     try:
         columns = {row[1] for row in con.execute("PRAGMA table_info(shards)")}
-        if "trained" not in columns:  # another process may have added it before we got the lock
-            con.execute("ALTER TABLE shards ADD COLUMN trained INTEGER NOT NULL DEFAULT 0")
+        for name, kind in _ADDED_COLUMNS.items():
+            if name not in columns:  # another process may have added it before we got the lock
+                con.execute(f"ALTER TABLE shards ADD COLUMN {name} {kind}")
         con.execute("COMMIT")
     except BaseException:
         con.execute("ROLLBACK")

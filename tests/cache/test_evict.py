@@ -11,6 +11,7 @@ from conftest import make_table, wait_for
 from epochcache.cache.evict import POLICIES, Fifo, Lru, MaxUses, MinUses, MostUsed, Random, policy_named
 from epochcache.cache.layout import CacheLayout
 from epochcache.cache.ledger import Ledger, ShardRecord, _choose
+from epochcache.cache.ledger_uses import SPAN, draw, walks
 from epochcache.cache.publisher import EPOCH_FILL, Published, Publisher
 from epochcache.config import CacheConfig
 from epochcache.errors import ConfigError
@@ -145,11 +146,24 @@ def test_indexed_policies_walk_an_index_never_sort_the_cache(tmp_path: Path, pol
     """Each stage's ORDER BY is served by an index (ties of lru/most-used aside), so k victims cost
     O(k log n): SQLite never sorts the whole candidate set first."""
     ledger = Ledger(tmp_path / "ledger")
-    for where, order in policy.stages() or []:
+    statements = [sql for stage in policy.stages() or [] for sql in walks(stage)]
+    assert statements
+    for sql in statements:
         plan = [row[3] for row in ledger._db().execute(
-            f"EXPLAIN QUERY PLAN SELECT n FROM shards WHERE state = 0 AND ({where}) ORDER BY {order}")]
+            f"EXPLAIN QUERY PLAN {sql}", {"g": 0, "t": 0.0, "at_least": 1, "below": 3})]
         assert "USING" in plan[0] and "INDEX" in plan[0], plan
         assert "USE TEMP B-TREE FOR ORDER BY" not in plan, plan
+    ledger.close()
+
+
+def test_random_eviction_looks_up_rows_never_scans(tmp_path: Path) -> None:
+    """A random walk's draws cost O(log n) each: its span and its lookups search, never scan."""
+    ledger = Ledger(tmp_path / "ledger")
+    for stage in MinUses(MaxUses(Random(), 3), 1).stages() or []:
+        for sql in (SPAN, draw(stage)):
+            plan = [row[3] for row in ledger._db().execute(
+                f"EXPLAIN QUERY PLAN {sql}", {"n": 1, "g": 0, "t": 0.0, "at_least": 1, "below": 3})]
+            assert not [step for step in plan if step.startswith("SCAN shards")], (sql, plan)
     ledger.close()
 
 

@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 from conftest import FullDisk, make_table, wait_for
 
+import epochcache.cache.ledger_schema as ledger_schema
+from epochcache.cache.evict import Lru, MostUsed
 from epochcache.cache.layout import CacheLayout
 from epochcache.cache.lease_owner import Owner, start_time, this_host
-from epochcache.cache.ledger import Ledger, ShardRecord
+from epochcache.cache.ledger import Ledger, ShardRecord, _choose
 from epochcache.cache.ledger_schema import DB_NAME, LEGACY_DB_NAME, connect
 from epochcache.cache.publisher import Publisher
 from epochcache.cache.shards import ShardMeta, schema_fingerprint, with_record_meta, write_shard
@@ -59,11 +61,22 @@ def test_garbage_ledger_is_one_line_and_rebuilt_whole(layout: CacheLayout) -> No
     ledger.close()
 
 
+def as_version_2(path: Path) -> None:
+    """Turn a fresh ledger (no snapshot taken yet) into the layout version 2 wrote."""
+    con = sqlite3.connect(path)
+    con.executescript("DROP INDEX shards_fresh; DROP INDEX shards_wear; DROP TABLE generation; "
+                      "ALTER TABLE shards DROP COLUMN born; DELETE FROM kv WHERE key = 'database'; "
+                      "CREATE INDEX shards_recency ON shards(state, recency, created); "
+                      "CREATE INDEX shards_uses ON shards(state, uses DESC, created); PRAGMA user_version=2;")
+    con.close()
+
+
 def test_a_version_1_ledger_is_upgraded_in_place(layout: CacheLayout) -> None:
     records = write_shards(layout, 2)
     ledger = Ledger(layout.ledger)
     ledger.adopt(records)
     ledger.close()
+    as_version_2(layout.ledger / DB_NAME)
     con = sqlite3.connect(layout.ledger / DB_NAME)
     con.executescript("DROP TABLE trained_units; DROP TABLE epochs; DROP INDEX shards_untrained; "
                       "ALTER TABLE shards DROP COLUMN trained; PRAGMA user_version=1;")  # as version 1 wrote it
@@ -73,6 +86,43 @@ def test_a_version_1_ledger_is_upgraded_in_place(layout: CacheLayout) -> None:
     lease = ledger.snapshot("t", ttl_s=60)
     ledger.record_epoch(lease.id, 10)
     assert ledger.epochs()[0]["distinct_trained"] == 10
+    ledger.close()
+
+
+def test_a_version_2_ledger_is_upgraded_in_place_without_losing_counts(layout: CacheLayout) -> None:
+    """Version 2 kept each shard's absolute counts in its row (rewritten at every snapshot): they
+    stay as they were, a retiring shard stays retiring, and the next snapshot adds one use to the
+    live shards alone."""
+    records = write_shards(layout, 4)
+    ledger = Ledger(layout.ledger)
+    ledger.adopt(records)
+    lease = ledger.snapshot("old-trainer", ttl_s=60)  # live across the upgrade (taken with no use counted yet)
+    ledger.close()
+    as_version_2(layout.ledger / DB_NAME)
+    counts = {"0000-shard": (5, 100.0), "0001-shard": (2, 300.0), "0002-shard": (7, 200.0), "0003-shard": (0, None)}
+    con = sqlite3.connect(layout.ledger / DB_NAME)
+    con.executemany("UPDATE shards SET uses = ?, last_used = ?, recency = coalesce(?, created) WHERE id = ?",
+                    [(uses, last, last, sid) for sid, (uses, last) in counts.items()])
+    con.execute("UPDATE shards SET state = 1 WHERE id = '0002-shard'")  # retiring when version 2 stopped
+    con.commit()
+    con.close()
+    ledger = Ledger(layout.ledger)
+    assert {r.id: (r.uses, r.last_used) for r in ledger.shards()} == counts
+    assert [lease_["id"] for lease_ in ledger.leases()] == [lease.id]
+    assert [r.id for r in MostUsed()(ledger.shards(), 1)] == ["0002-shard"]
+    assert [r.id for r in _choose(ledger._db(), MostUsed(), 1)] == ["0000-shard"], "the retiring one is not live"
+    assert [r.id for r in _choose(ledger._db(), Lru(), 1)] == ["0003-shard"], "never used: its creation counts"
+    before = time.time()
+    assert [r.id for r in ledger.snapshot("new-trainer", ttl_s=60).shards] == ["0000-shard", "0001-shard",
+                                                                               "0003-shard"]
+    after = {r.id: r for r in ledger.shards()}
+    assert {sid: r.uses for sid, r in after.items()} == {"0000-shard": 6, "0001-shard": 3, "0002-shard": 7,
+                                                         "0003-shard": 1}
+    assert after["0002-shard"].last_used == 200.0 and before <= after["0001-shard"].last_used <= time.time()
+    assert ledger._db().execute("PRAGMA user_version").fetchone()[0] == ledger_schema.VERSION == 3
+    assert ledger._get("database"), "the upgrade names the database"
+    indexes = {name for (name,) in ledger._db().execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert {"shards_fresh", "shards_wear"} <= indexes and not {"shards_recency", "shards_uses"} & indexes
     ledger.close()
 
 
