@@ -106,10 +106,11 @@ class _Epoch:
 
     def __init__(
         self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], source: BatchThread | PoolEpoch | None,
-        pin: bool, unverified: tuple[ShardRecord, ...] = (),
+        pin: bool, unverified: tuple[ShardRecord, ...] = (), quarantines: int = 0,
     ):
         self.info, self.lease, self.shards, self._source, self._pin = info, lease, shards, source, pin
         self.unverified = unverified  # the epoch's shards not yet checksummed on this host
+        self.quarantines = quarantines  # the ledger's count of quarantined shards before its snapshot
 
     @property
     def usable(self) -> bool:
@@ -365,9 +366,11 @@ class EpochCachedLoader:
             future = self._next[1]
             self._next = None
             prepared = future.result()
-            if prepared.usable:
+            # A shard quarantined since its snapshot (the verifier found it damaged; its mapping
+            # may still be open here) must not be read by an epoch that starts now: build it again.
+            if prepared.usable and prepared.quarantines == self._quarantines():
                 return prepared
-            self._finish(prepared)  # its worker pool was closed by an epoch left early
+            self._finish(prepared)  # its worker pool was closed by an epoch left early, or a shard left
         self._drop_prepared()
         return self._prepare(epoch, ahead=False, resume=resume)
 
@@ -387,7 +390,11 @@ class EpochCachedLoader:
         if self._next is None and not self._closed.is_set():
             self._next = (epoch, self._prepare_pool.submit(self._prepare, epoch, True, None))
 
+    def _quarantines(self) -> int:
+        return self._ledger.counters().get("quarantined", 0)
+
     def _prepare(self, epoch: int, ahead: bool, resume: Progress | None) -> _Epoch:
+        quarantines = self._quarantines()
         lease, started = self._snapshot(epoch)
         try:
             records = self._agreed_records(lease, resume)
@@ -405,7 +412,7 @@ class EpochCachedLoader:
             source = self._batch_source(dataset, sampler)
             unverified = tuple(r for r in records if not r.verified)
             self._clock.prepare_s = time.monotonic() - started
-            return _Epoch(info, lease, tuple(r.id for r in records), source, self._pin, unverified)
+            return _Epoch(info, lease, tuple(r.id for r in records), source, self._pin, unverified, quarantines)
         except BaseException:
             self._release(lease.id)
             raise
