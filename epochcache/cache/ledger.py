@@ -70,6 +70,9 @@ LEDGER_RESERVE = 256 * 1024
 # Each reservation also leaves room for the database's growth by the publish that follows (a record,
 # its units and counters: a few pages), so the charge stays within the budget after the publish.
 PUBLISH_GROWTH = 64 * 1024
+# Epoch names a snapshot's ``use`` is checked against: enough for the trainers one cache serves at
+# once (each rank of a node names its epoch once), few enough to keep in one ``kv`` value.
+_USES_NAMED = 64
 
 # Victim chooser (an eviction policy): (shards not yet retiring, leased or not, bytes to free) ->
 # shards to retire, in order. If it has a ``label(record) -> str`` method, evictions are counted per
@@ -354,23 +357,26 @@ class Ledger:
 
     # -- leases ---------------------------------------------------------------------------------
 
-    def snapshot(self, owner: str, ttl_s: float, holder: Owner | None = None) -> Lease:
+    def snapshot(self, owner: str, ttl_s: float, holder: Owner | None = None, use: str | None = None) -> Lease:
         """Take the current shard set (less retiring shards) and a lease on exactly it.
 
         One write transaction (its cost does not grow with the cache) begins a use generation, which
         counts one use of each shard in the set and stamps its ``last_used`` (what ``lru``,
         ``most-used``, ``max_uses`` and ``min_uses`` decide by; see :mod:`epochcache.cache.ledger_uses`),
-        and records the lease: every shard published so far less the retiring ones. Its records
-        are then read outside the write lock (the lease keeps them from eviction meanwhile), oldest
-        published first, without unit keys or use counts (:mod:`epochcache.cache.ledger_leased`:
-        decoded once per process). ``holder``: the process the lease lives with (default: this
-        one); ``ttl_s`` bounds it only where that process's liveness cannot be checked (another host).
+        unless ``use`` names an epoch an earlier snapshot named (the ranks of a node each take a
+        snapshot for one epoch: it counts once), and records the lease: every shard published so
+        far less the retiring ones. Its records are then read outside the write lock (the lease
+        keeps them from eviction meanwhile), oldest published first, without unit keys or use
+        counts (:mod:`epochcache.cache.ledger_leased`: decoded once per process). ``holder``: the
+        process the lease lives with (default: this one); ``ttl_s`` bounds it only where that
+        process's liveness cannot be checked (another host).
         """
         lease_id = uuid.uuid4().hex
         now = time.time()
         holder = holder or this_process()
         with self._write() as con:
-            advance(con, now)
+            if _new_use(con, use):
+                advance(con, now)
             upto = con.execute("SELECT coalesce(max(n), 0) FROM shards").fetchone()[0]
             con.execute("INSERT INTO lease_excluded SELECT ?, n FROM shards INDEXED BY shards_age WHERE state = 1",
                         (lease_id,))
@@ -558,6 +564,18 @@ class Ledger:
 
 
 # -- statements (inside a transaction) ------------------------------------------------------------
+
+
+def _new_use(con: sqlite3.Connection, use: str | None) -> bool:
+    """Whether a snapshot naming ``use`` counts a use: unnamed, or a name none of the last
+    :data:`_USES_NAMED` snapshots gave (each of several trainers on one cache names its own epochs)."""
+    if use is None:
+        return True
+    named = _kv(con, "uses_named") or []
+    if use in named:
+        return False
+    _set_kv(con, "uses_named", [*named, use][-_USES_NAMED:])
+    return True
 
 
 def _kv(con: sqlite3.Connection, key: str) -> Any:

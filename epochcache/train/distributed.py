@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +34,9 @@ class Peers:
     local_world: int = 1
     node_ranks: tuple[int, ...] = (0,)
     group: Any = None
+    # What this node's ranks call their run (the node's first rank's random name): each epoch's
+    # snapshots, one per rank, name it so the ledger counts one use of each shard per epoch.
+    node_key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @classmethod
     def discover(cls, cache_dir: str | os.PathLike[str]) -> Peers:
@@ -41,10 +45,11 @@ class Peers:
             return cls()
         group = dist.new_group(backend="gloo")
         keys: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(keys, (socket.gethostname(), os.path.realpath(cache_dir)), group=group)
+        dist.all_gather_object(keys, (socket.gethostname(), os.path.realpath(cache_dir), uuid.uuid4().hex),
+                               group=group)
         rank = dist.get_rank()
-        node = tuple(r for r, key in enumerate(keys) if key == keys[rank])
-        return cls(rank, len(keys), node.index(rank), len(node), node, group)
+        node = tuple(r for r, key in enumerate(keys) if key[:2] == keys[rank][:2])
+        return cls(rank, len(keys), node.index(rank), len(node), node, group, keys[node[0]][2])
 
     @property
     def distributed(self) -> bool:

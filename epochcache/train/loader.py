@@ -485,7 +485,8 @@ class EpochCachedLoader:
         patience = Patience(self._layout, self.config.wait_timeout_s)
         while True:
             attempt = time.monotonic()
-            lease = self._ledger.snapshot(f"{self._owner}:epoch{epoch}", self.config.lease_ttl_s)
+            lease = self._ledger.snapshot(f"{self._owner}:epoch{epoch}", self.config.lease_ttl_s,
+                                          use=f"{self._peers.node_key}:epoch{epoch}")
             with self._held_lock:
                 self._held.add(lease.id)
             if any(r.rows for r in lease.shards):  # zero-row shards alone would make an epoch of no batches

@@ -180,3 +180,16 @@ def test_records_kept_by_row_number_are_not_reused_from_a_rebuilt_database(tmp_p
     lease = trainer.snapshot("t", ttl_s=60)
     assert [(r.id, r.filename) for r in lease.shards][:2] == [("s019", "s019.arrow"), ("s018", "s018.arrow")]
     trainer.close()
+
+
+def test_snapshots_naming_one_epoch_count_one_use(ledger: Ledger) -> None:
+    """The ranks of a node each take a snapshot for one epoch: its shards are used once, not once per
+    rank; an epoch of another name (the next epoch, another trainer) counts again."""
+    ledger.adopt([record(1), record(2)])
+    for owner in ("rank0", "rank1"):
+        ledger.release(ledger.snapshot(owner, 60, use="node-a:epoch0").id)
+    assert {r.id: r.uses for r in ledger.shards()} == {"s001": 1, "s002": 1}
+    ledger.release(ledger.snapshot("rank0", 60, use="node-a:epoch1").id)
+    ledger.release(ledger.snapshot("other", 60, use="node-b:epoch0").id)
+    ledger.release(ledger.snapshot("unnamed", 60).id)
+    assert {r.id: r.uses for r in ledger.shards()} == {"s001": 4, "s002": 4}

@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import make_table
 
-from epochcache import SyncDaemon
+from epochcache import Ledger, SyncDaemon
+from epochcache.cache.layout import CacheLayout
 from epochcache.config import load_config
 
 EPOCHS = 3
@@ -92,3 +93,10 @@ def test_two_nodes_two_ranks_each_equal_batches_disjoint_samples(tmp_path: Path)
             assert not set(a["ids"]) & set(b["ids"]), f"node {node} epoch {epoch}: ranks overlap"
             assert all(first <= i < first + files * rows for i in a["ids"] + b["ids"])
     assert ranks[0][0]["ids"] != ranks[0][1]["ids"], "each epoch draws a new order"
+    for node, cache in caches.items():
+        ledger = Ledger(CacheLayout(cache).ledger)
+        uses = {r.uses for r in ledger.shards()}
+        ledger.close()
+        # once per epoch, whatever the node's ranks (the next epoch, prepared ahead before the loaders
+        # closed, may count one more); a use per rank would give twice that
+        assert uses <= {EPOCHS, EPOCHS + 1} and uses, f"node {node}: uses {uses} after {EPOCHS} epochs"
