@@ -35,13 +35,15 @@ from epochcache.errors import (
     ShardCorruptError,
     SourceError,
 )
-from epochcache.sync.daemon import SyncDaemon, SyncReport
 from epochcache.tools.maintenance import collect_garbage, verify_cache
 
 __version__ = "0.1.0"
 
-# The training-side names import torch; the daemon and the CLI must start without it.
+# The training-side names import torch, the daemon's the remote formats (fsspec, s3fs): each side
+# starts without the other's.
 _LAZY = {
+    "SyncDaemon": "epochcache.sync.daemon",
+    "SyncReport": "epochcache.sync.report",
     "EpochCachedLoader": "epochcache.train.loader",
     "EpochInfo": "epochcache.train.loader",
     "ShardSetDataset": "epochcache.train.dataset",
