@@ -55,6 +55,13 @@ def test_cli_import_does_not_import_torch() -> None:
     assert result.stdout.strip() == "False", result.stderr
 
 
+
+def test_trainer_import_does_not_import_the_remote_formats() -> None:
+    code = ("import sys, epochcache.train.loader; "
+            "print(sorted(m for m in ('s3fs', 'fsspec', 'epochcache.sync.daemon') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "[]", result.stderr
+
 README = Path(__file__).parents[1] / "README.md"
 
 
