@@ -193,6 +193,12 @@ class Ledger:
         with self._read() as con:
             return [record(r) for r in con.execute(f"SELECT {COLUMNS} FROM shards ORDER BY created, id", clock(con))]
 
+    def shard(self, shard_id: str) -> ShardRecord | None:
+        """The published shard ``shard_id`` (one index lookup), or None."""
+        with self._read() as con:
+            row = con.execute(f"SELECT {COLUMNS} FROM shards WHERE id = :id", {**clock(con), "id": shard_id}).fetchone()
+        return None if row is None else record(row)
+
     def newest(self, n: int) -> list[ShardRecord]:
         """The ``n`` newest published shards, newest first (one index walk)."""
         with self._read() as con:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from epochcache.cache.layout import CacheLayout
+from epochcache.cache.layout import CacheLayout, parse_shard_name
 from epochcache.cache.ledger import Ledger, ShardRecord
 
 log = logging.getLogger(__name__)
@@ -66,12 +66,14 @@ class QuarantineUnreadable:
         self._root = root
 
     def __call__(self, path: str, error: Exception) -> None:
-        filename = Path(path).name
+        name = parse_shard_name(Path(path).name)
+        if name is None:
+            return  # not a shard file of this cache: nothing the ledger knows
         layout = CacheLayout(self._root)
         ledger = Ledger(layout.ledger)
         try:
-            found = [r for r in ledger.shards() if r.filename == filename]
-            if found:
-                quarantine_shard(layout, ledger, found[0], f"unreadable when an epoch read it: {error}")
+            found = ledger.shard(name[0])  # one lookup: a worker may meet this in a cache of 100,000 shards
+            if found is not None and found.filename == Path(path).name:
+                quarantine_shard(layout, ledger, found, f"unreadable when an epoch read it: {error}")
         finally:
             ledger.close()
