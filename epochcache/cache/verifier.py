@@ -35,49 +35,30 @@ class BackgroundVerifier:
         self._layout, self._ledger = layout, ledger
         self._queue: queue.Queue[ShardRecord | None] = queue.Queue()
         self._seen: set[str] = set()
-        self._idle = threading.Condition()
-        self._pending = 0
         self._thread = threading.Thread(target=self._run, name="epochcache-verify", daemon=True)
         self._thread.start()
 
     def submit(self, records: Iterable[ShardRecord]) -> int:
         """Queue the records not verified yet and not queued before; returns how many were queued."""
         fresh = [r for r in records if not r.verified and r.id not in self._seen]
-        with self._idle:
-            self._pending += len(fresh)
         for record in fresh:
             self._seen.add(record.id)
             self._queue.put(record)
         return len(fresh)
 
-    def wait_idle(self, timeout: float) -> bool:
-        """Whether every submitted record was handled within ``timeout`` seconds."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
-
     def close(self) -> None:
         """Stop after the record being checked (the rest are left for a later loader); join the thread."""
-        dropped = 0
         while True:  # drop what is queued: the ledger still says unverified, so a later loader checks it
             try:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-            dropped += 1
-        with self._idle:
-            self._pending -= dropped
-            self._idle.notify_all()
         self._queue.put(_STOP)
         self._thread.join()
 
     def _run(self) -> None:
         while (record := self._queue.get()) is not _STOP:
-            try:
-                self._check(record)
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
+            self._check(record)
 
     def _check(self, record: ShardRecord) -> None:
         try:
