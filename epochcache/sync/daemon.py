@@ -305,15 +305,18 @@ def _heap_frozen() -> Iterator[None]:
     and a full collection visits every one of them. Forked from a process that imported torch
     (~200,000 objects), the S3 client's creation took 180 ms instead of 58 ms before the first
     request (its JSON service model sets off full collections); frozen objects also keep the pages
-    shared with the parent from being copied. Unfrozen on the way out."""
+    shared with the parent from being copied. Unfrozen on the way out, unless objects were frozen
+    before (a loader forking its workers): those stay frozen, and so do these."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    frozen_before = gc.get_freeze_count() > 0
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not frozen_before:
+            gc.unfreeze()
 
 
 @contextmanager
