@@ -14,6 +14,7 @@ import importlib
 import json
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -59,9 +60,8 @@ def child(args: argparse.Namespace) -> None:
             parent.mark("cold")
     parent.mark("warm")
     epochs.close()  # type: ignore[attr-defined]
-    first_batch, imports = epochcache_first_batch(args) if system == "epochcache" else (times[0][0] - started, None)
-    parent.result({"started": started, "times": times, "checks": checks, "first_batch_s": first_batch,
-                   "daemon_imports_s": imports})
+    first = epochcache_first_batch(args) if system == "epochcache" else {"first_batch_s": times[0][0] - started}
+    parent.result({"started": started, "times": times, "checks": checks, **first})
 
 
 def timed_epoch(epoch: Iterable[Batch], size: int) -> tuple[list[float], list[int]]:
@@ -111,7 +111,8 @@ DAEMON_IMPORTS = ("epochcache.sync.daemon", "epochcache.sources.arrow", "epochca
 
 def _sync(config: Any, once: bool, line: Any) -> None:
     """The daemon's process: its imports (timed, the time sent on ``line``), then, once ``line`` says
-    go, one ``SyncDaemon.run``."""
+    go, one ``SyncDaemon.run``, sending on ``line`` when (``time.perf_counter()``, a clock every
+    process shares) it published its first shard."""
     began = time.perf_counter()
     for name in DAEMON_IMPORTS:
         importlib.import_module(name)
@@ -119,7 +120,14 @@ def _sync(config: Any, once: bool, line: Any) -> None:
     line.recv()
     from epochcache import SyncDaemon
 
-    SyncDaemon(config, progress=False).run(once=once)
+    published = threading.Event()
+
+    def on_publish(_: Any) -> None:
+        if not published.is_set():
+            published.set()
+            line.send(time.perf_counter())
+
+    SyncDaemon(config, progress=False, on_publish=on_publish).run(once=once)
 
 
 class Daemon:
@@ -143,6 +151,10 @@ class Daemon:
 
     def start(self) -> None:
         self._line.send(None)
+
+    def first_published(self) -> float:
+        """When (``time.perf_counter()``) the daemon published its first shard; waits for it."""
+        return float(self._line.recv())
 
 
 def _epochcache_loader(args: argparse.Namespace, cache: Path, min_samples: int) -> Any:
@@ -173,9 +185,10 @@ def _then_join(loader: Iterable[Batch], daemon: Any) -> Iterator[Batch]:
         raise RuntimeError(f"the sync daemon exited with {daemon.exitcode}")
 
 
-def epochcache_first_batch(args: argparse.Namespace) -> tuple[float, float]:
-    """Seconds from starting the daemon and a loader together on another empty cache to the first batch
-    (each process's imports done before), and the seconds the daemon's imports took."""
+def epochcache_first_batch(args: argparse.Namespace) -> dict[str, float]:
+    """Seconds from starting the daemon and a loader together on another empty cache (each process's
+    imports done before) to the first batch (``first_batch_s``) and to the daemon's first published
+    shard (``first_shard_s``, its part of the wait), and the seconds the daemon's imports took."""
     cache = Path(args.cache + "-first-batch")
     daemon = Daemon(args, cache, once=False)
     imports = daemon.ready()
@@ -184,10 +197,11 @@ def epochcache_first_batch(args: argparse.Namespace) -> tuple[float, float]:
     with _epochcache_loader(args, cache, 0) as loader:
         next(iter(loader))
         elapsed = time.perf_counter() - started
+    first_shard = daemon.first_published() - started
     daemon.process.terminate()  # SIGTERM: the daemon stops cleanly
     daemon.process.join(60)
     shutil.rmtree(cache, ignore_errors=True)
-    return elapsed, imports
+    return {"first_batch_s": elapsed, "first_shard_s": first_shard, "daemon_imports_s": imports}
 
 
 def _dataloader(dataset: Any, args: argparse.Namespace, loader_class: Any = None) -> Any:
