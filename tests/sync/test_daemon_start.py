@@ -6,14 +6,18 @@ it started with away from the cyclic collector for its duration."""
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import fsspec
+import pyarrow as pa
 import pytest
 from conftest import DaemonThread, wait_for, write_parquet_dataset
 
+import epochcache.sync.daemon as daemon_module
 from epochcache import SyncDaemon
 from epochcache.config import Config
 from epochcache.seeding import permutation
@@ -156,3 +160,44 @@ def test_a_run_in_another_thread_leaves_the_collector_alone(config: Config) -> N
     wait_for(lambda: runner.report is not None or runner.error)
     assert runner.stop().units_fetched == len(counts) == 12
     assert set(counts) == {before}
+
+
+def test_an_empty_cache_reads_one_unit_at_a_time_until_its_first_shard_is_published(
+    config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first shard's write has the machine to itself: while it is under way (held here by the
+    publish hook, which runs before the write counts as done) no second read runs beside another."""
+    lock = threading.Lock()
+    counts = {"reading": 0, "most_before_publish": 0}
+    published, widened = threading.Event(), threading.Event()
+    open_source = daemon_module.open_source
+
+    def open_counted(*args: Any) -> Any:  # instrumentation: how many reads run at once
+        source = open_source(*args)
+        read = source.read
+
+        def counted_read(unit: Any) -> pa.Table:
+            with lock:
+                counts["reading"] += 1
+                if not published.is_set():
+                    counts["most_before_publish"] = max(counts["most_before_publish"], counts["reading"])
+                if counts["reading"] > 1:
+                    widened.set()
+            try:
+                return read(unit)
+            finally:
+                with lock:
+                    counts["reading"] -= 1
+
+        monkeypatch.setattr(source, "read", counted_read)
+        return source
+
+    def first_publish(_: Any) -> None:
+        if not published.is_set():
+            widened.wait(0.5)  # a window opened at hand-over would start reads now, beside the write
+            published.set()
+
+    monkeypatch.setattr(daemon_module, "open_source", open_counted)
+    report = SyncDaemon(config, progress=False, on_publish=first_publish).run(once=True)
+    assert report.units_published == 12
+    assert counts["most_before_publish"] == 1
