@@ -6,8 +6,8 @@ a pass. A node's objects are walked in *groups* of ``mix`` consecutive objects: 
 object are permuted by ``(seed, p, object)`` and the group's objects are interleaved round-robin, so
 consecutive units (and so every shard) come from up to ``mix`` different objects, never one
 contiguous slice of the remote. Only the group being walked has its metadata (Parquet footers) read,
-all at once, so nothing beyond object names is listed up front; its first unit waits only for the
-first object's.
+so nothing beyond object names is listed up front; the first round asks for each object's as its
+turn comes, so the group's first unit need wait only for the first object's.
 
 Each unit appears exactly once per pass (without replacement); each pass has a fresh order, unless
 ``same_order`` (row slices, ``sampler.row_fraction`` < 1): then every pass walks pass 0's order, so
