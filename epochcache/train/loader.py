@@ -491,9 +491,8 @@ class EpochCachedLoader:
                 return lease, attempt
             self._release(lease.id)
             why = patience.over()
-            if why is None and not self._closed.is_set():
-                changes.wait(self._closed)
-            else:
+            # a change: the daemon published (or wrote its state); closed: the wait ends here
+            if why is not None or (not changes.wait(self._closed) and self._closed.is_set()):
                 if why == "no daemon":
                     raise CacheEmptyError(
                         f"no shard in {self._layout.root} after {patience.elapsed():.0f}s and no sync daemon runs "

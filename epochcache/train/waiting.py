@@ -24,7 +24,7 @@ from epochcache.errors import CacheEmptyError
 
 _POLL_S = 0.2
 # How often a wait probes the ledger for a commit (Ledger.version: no table read, no transaction), so
-# an empty cache's first shard is in an epoch within milliseconds of its publish (~10 us a probe).
+# an empty cache's first shard is in an epoch within milliseconds of its publish (~4 us a probe).
 CHANGE_POLL_S = 0.005
 # How long a wait goes on with no sync daemon running on the cache dir.
 NO_DAEMON_GRACE_S = 5.0
@@ -99,8 +99,7 @@ def wait_for_samples(
             if rows >= samples:
                 return
             why = patience.over()
-            if why is None and not stop.is_set():
-                changes.wait(stop)
+            if why is None and (changes.wait(stop) or not stop.is_set()):
                 continue
             head = (f"cache {layout.root} holds {rows} samples after {patience.elapsed():.0f}s, fewer than "
                     f"loader.min_samples={samples}")
