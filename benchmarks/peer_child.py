@@ -14,6 +14,7 @@ import importlib
 import json
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -59,8 +60,8 @@ def child(args: argparse.Namespace) -> None:
             parent.mark("cold")
     parent.mark("warm")
     epochs.close()  # type: ignore[attr-defined]
-    first_batch = epochcache_first_batch(args) if system == "epochcache" else times[0][0] - started
-    parent.result({"started": started, "times": times, "checks": checks, "first_batch_s": first_batch})
+    first = epochcache_first_batch(args) if system == "epochcache" else {"first_batch_s": times[0][0] - started}
+    parent.result({"started": started, "times": times, "checks": checks, **first})
 
 
 def timed_epoch(epoch: Iterable[Batch], size: int) -> tuple[list[float], list[int]]:
@@ -101,22 +102,59 @@ def epochcache_config(args: argparse.Namespace, cache: Path) -> Any:
     })
 
 
-def _sync(config: Any, once: bool) -> None:
+# What ``epochcache sync`` imports before its first remote read of this benchmark's remote (Arrow IPC on
+# S3): the daemon's process imports them before the clock starts, since the target excludes imports;
+# their time is reported apart (``daemon_imports_s``).
+DAEMON_IMPORTS = ("epochcache.sync.daemon", "epochcache.sources.arrow", "epochcache.sources.objects",
+                  "epochcache.sources.parquet", "epochcache.sources.webdataset", "s3fs")
+
+
+def _sync(config: Any, once: bool, line: Any) -> None:
+    """The daemon's process: its imports (timed, the time sent on ``line``), then, once ``line`` says
+    go, one ``SyncDaemon.run``, sending on ``line`` when (``time.perf_counter()``, a clock every
+    process shares) it published its first shard."""
+    began = time.perf_counter()
+    for name in DAEMON_IMPORTS:
+        importlib.import_module(name)
+    line.send(time.perf_counter() - began)
+    line.recv()
     from epochcache import SyncDaemon
 
-    SyncDaemon(config, progress=False).run(once=once)
+    published = threading.Event()
+
+    def on_publish(_: Any) -> None:
+        if not published.is_set():
+            published.set()
+            line.send(time.perf_counter())
+
+    SyncDaemon(config, progress=False, on_publish=on_publish).run(once=once)
 
 
-def _start_daemon(args: argparse.Namespace, cache: Path, once: bool) -> Any:
-    """The sync daemon in a process forked from this one (imports done), on a new, empty cache dir."""
-    import multiprocessing
+class Daemon:
+    """The sync daemon in a process forked from this one (the trainer's imports done), on a new, empty
+    cache dir: it does its own imports (:meth:`ready` waits for them), then its run once :meth:`start`ed."""
 
-    from epochcache.cache.layout import CacheLayout
+    def __init__(self, args: argparse.Namespace, cache: Path, once: bool):
+        import multiprocessing
 
-    CacheLayout.create(cache)  # the loader refuses a cache dir no daemon has made yet
-    daemon = multiprocessing.get_context("fork").Process(target=_sync, args=(epochcache_config(args, cache), once))
-    daemon.start()
-    return daemon
+        from epochcache.cache.layout import CacheLayout
+
+        CacheLayout.create(cache)  # the loader refuses a cache dir no daemon has made yet
+        context = multiprocessing.get_context("fork")
+        self._line, theirs = context.Pipe()
+        self.process = context.Process(target=_sync, args=(epochcache_config(args, cache), once, theirs))
+        self.process.start()
+
+    def ready(self) -> float:
+        """Wait until the daemon's imports are done; the seconds they took."""
+        return float(self._line.recv())
+
+    def start(self) -> None:
+        self._line.send(None)
+
+    def first_published(self) -> float:
+        """When (``time.perf_counter()``) the daemon published its first shard; waits for it."""
+        return float(self._line.recv())
 
 
 def _epochcache_loader(args: argparse.Namespace, cache: Path, min_samples: int) -> Any:
@@ -129,10 +167,12 @@ def _epochcache_loader(args: argparse.Namespace, cache: Path, min_samples: int) 
 
 def epochcache_epochs(args: argparse.Namespace) -> Iterator[Iterable[Batch]]:
     """Daemon (``run(once=True)``) and loader started together; the first epoch waits for every sample."""
-    daemon = _start_daemon(args, Path(args.cache), once=True)
-    print(f"DAEMON {daemon.pid}", flush=True)  # so the parent measures the daemon's PSS apart from the trainer's
+    daemon = Daemon(args, Path(args.cache), once=True)
+    print(f"DAEMON {daemon.process.pid}", flush=True)  # the parent measures the daemon's PSS apart from the trainer's
+    daemon.ready()  # the cold epoch's clock started before the daemon's imports, as before
+    daemon.start()
     with _epochcache_loader(args, Path(args.cache), args.count) as loader:
-        yield _then_join(loader, daemon)
+        yield _then_join(loader, daemon.process)
         while True:
             yield loader
 
@@ -145,18 +185,23 @@ def _then_join(loader: Iterable[Batch], daemon: Any) -> Iterator[Batch]:
         raise RuntimeError(f"the sync daemon exited with {daemon.exitcode}")
 
 
-def epochcache_first_batch(args: argparse.Namespace) -> float:
-    """Seconds from starting the daemon and a loader together on another empty cache to the first batch."""
+def epochcache_first_batch(args: argparse.Namespace) -> dict[str, float]:
+    """Seconds from starting the daemon and a loader together on another empty cache (each process's
+    imports done before) to the first batch (``first_batch_s``) and to the daemon's first published
+    shard (``first_shard_s``, its part of the wait), and the seconds the daemon's imports took."""
     cache = Path(args.cache + "-first-batch")
+    daemon = Daemon(args, cache, once=False)
+    imports = daemon.ready()
     started = time.perf_counter()
-    daemon = _start_daemon(args, cache, once=False)
+    daemon.start()
     with _epochcache_loader(args, cache, 0) as loader:
         next(iter(loader))
         elapsed = time.perf_counter() - started
-    daemon.terminate()  # SIGTERM: the daemon stops cleanly
-    daemon.join(60)
+    first_shard = daemon.first_published() - started
+    daemon.process.terminate()  # SIGTERM: the daemon stops cleanly
+    daemon.process.join(60)
     shutil.rmtree(cache, ignore_errors=True)
-    return elapsed
+    return {"first_batch_s": elapsed, "first_shard_s": first_shard, "daemon_imports_s": imports}
 
 
 def _dataloader(dataset: Any, args: argparse.Namespace, loader_class: Any = None) -> Any:

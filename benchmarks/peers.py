@@ -35,7 +35,9 @@ Each run is one child process per system (imports and PSS separate), on a fresh,
   epoch counts from the previous epoch's last batch, so the gap between epochs is inside it;
 - first batch: seconds from the start of the cold epoch to its first batch. epochcache's cold epoch waits
   for the whole dataset, so its first batch is measured apart, after the warm epochs, from another empty
-  cache with the daemon and a loader started together, without ``min_samples``;
+  cache with the daemon and a loader started together, without ``min_samples``, each process's imports
+  done before the clock starts (the daemon's, timed in its process, are shown apart, and so is its
+  part of the wait: when it published its first shard);
 - epoch gap: median time from an epoch's last batch to the next one's first, between warm epochs;
 - peak PSS: the child's whole process tree (workers, the daemon, curl pipes), and for epochcache its
   daemon apart from the trainer and its workers, sampled every ~0.2 s by this process with
@@ -252,6 +254,7 @@ def summarise(result: dict[str, Any], cpu: dict[str, float], watcher: Watcher,
         "cold_samples_per_s": delivered[0] / (times[0][-1] - started),
         "warm_samples_per_s": statistics.median(warm),
         "first_batch_s": result["first_batch_s"],
+        **{key: result[key] for key in ("first_shard_s", "daemon_imports_s") if key in result},
         "epoch_gap_ms": statistics.median(gaps) * 1e3 if gaps else None,
         "batch_interval_ms": statistics.median(intervals) * 1e3,
         "peak_pss_bytes": watcher.peak_pss,
@@ -353,6 +356,11 @@ def table(summary: dict[str, Any], args: argparse.Namespace) -> str:
              if "peak_daemon_pss_bytes" in (m := entry["median"])]
     if split:
         lines += ["peak PSS apart (the two peaks need not fall at the same moment):", *split]
+    start = [f"{name}: {m['first_shard_s']:.2f}s, its imports {m['daemon_imports_s']:.2f}s" for name, entry
+             in summary.items() if "daemon_imports_s" in (m := entry["median"])]
+    if start:
+        lines += ["first batch: the daemon's first shard published after (its imports, done before the clock):",
+                  *start]
     return "\n".join(lines)
 
 

@@ -178,6 +178,13 @@ class Ledger:
                 if con.in_transaction:
                     con.execute("COMMIT")
 
+    def version(self) -> int:
+        """A number that changes once another connection (the daemon's, another loader's) has committed
+        to the ledger since the last call (SQLite's ``PRAGMA data_version``); this one's own commits do
+        not change it. It reads no table and takes no transaction: a probe for waiters to poll often."""
+        with self._lock, readable_errors(self.path):
+            return int(self._db().execute("PRAGMA data_version").fetchone()[0])
+
     def _get(self, key: str) -> Any:
         with self._read() as con:
             return _kv(con, key)

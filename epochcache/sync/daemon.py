@@ -32,6 +32,7 @@ schema than the cache holds (:class:`DatasetMismatchError`) end the run.
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -108,7 +109,7 @@ class SyncDaemon:
         Every thread it started has ended when it returns or raises.
         """
         stop = stop or threading.Event()
-        with exclusive(self.layout.lock), _stop_on_signals(stop):
+        with _heap_frozen(), exclusive(self.layout.lock), _stop_on_signals(stop):
             ledger = Ledger(self.layout.ledger, self._connect)
             try:
                 if until_written(lambda: reconcile(self.layout, ledger), stop, "start") is None:
@@ -175,7 +176,7 @@ class _Run:
             walk = Walk(self.cfg, self.ledger, self.streams, pool, self.retrier, self.claims, self.skips,
                         self.vitals, self.stop, self.once)
             window = FetchWindow(pool, self.retrier, self.claims, self.skips, self.intake,
-                                 self.cfg.sampler.concurrency, lambda: self._shard_target() == 1, self.stop)
+                                 self.cfg.sampler.concurrency, self._first_shard_pending, self.stop)
             try:
                 # closing(): the window cancels its queued reads here, before the pool is joined.
                 with closing(window.fetched(walk.merged(position))) as fetched:
@@ -261,6 +262,15 @@ class _Run:
         busy = self.had_shards or self.writer.pending or self.report.shards_published
         return self.cfg.cache.shard_bytes if busy else 1
 
+    def _first_shard_pending(self) -> bool:
+        """Whether an empty cache's first shard is not published yet: until then the fetch window keeps
+        one unit in flight, so the first unit's read and then the shard's write and fsync have the
+        machine to themselves rather than compete with ``concurrency`` reads (in the loader
+        benchmark's local Parquet setting the first shard's write took 68-150 ms beside them)."""
+        if self.had_shards or self.report.shards_published:
+            return False
+        return not any(write.done() for write in self.writer.pending)
+
     def _stop_reason(self) -> StopReason:
         return StopReason.STOPPED if self.stop.is_set() else StopReason.BUDGET_FULL
 
@@ -294,6 +304,28 @@ def _joined(pool: ThreadPoolExecutor) -> Iterator[ThreadPoolExecutor]:
         yield pool
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextmanager
+def _heap_frozen() -> Iterator[None]:
+    """In the main thread (the daemon's own process: ``epochcache sync``, or a process forked to run
+    it), the objects alive at the start are kept out of the cyclic collector for the duration: they
+    live as long as the run (imports, config, or the heap of a trainer the daemon was forked from),
+    and a full collection visits every one of them. Forked from a process that imported torch
+    (~200,000 objects), the S3 client's creation took 180 ms instead of 58 ms before the first
+    request (its JSON service model sets off full collections); frozen objects also keep the pages
+    shared with the parent from being copied. Unfrozen on the way out, unless objects were frozen
+    before (a loader forking its workers): those stay frozen, and so do these."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    frozen_before = gc.get_freeze_count() > 0
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if not frozen_before:
+            gc.unfreeze()
 
 
 @contextmanager

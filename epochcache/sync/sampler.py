@@ -6,7 +6,8 @@ a pass. A node's objects are walked in *groups* of ``mix`` consecutive objects: 
 object are permuted by ``(seed, p, object)`` and the group's objects are interleaved round-robin, so
 consecutive units (and so every shard) come from up to ``mix`` different objects, never one
 contiguous slice of the remote. Only the group being walked has its metadata (Parquet footers) read,
-all at once, so nothing beyond object names is listed up front.
+so nothing beyond object names is listed up front; the first round asks for each object's as its
+turn comes, so the group's first unit need wait only for the first object's.
 
 Each unit appears exactly once per pass (without replacement); each pass has a fresh order, unless
 ``same_order`` (row slices, ``sampler.row_fraction`` < 1): then every pass walks pass 0's order, so
@@ -28,8 +29,9 @@ import numpy as np
 from epochcache.seeding import permutation
 from epochcache.sources.base import RemoteObject, Unit
 
-# Reads the units of several objects at once (their footers, concurrently); same order as given.
-UnitsOf = Callable[[Sequence[RemoteObject]], list[Sequence[Unit]]]
+# Reads the units of several objects at once (their footers, concurrently); same order as given. An
+# item may be read when first indexed (the sampler indexes them in order).
+UnitsOf = Callable[[Sequence[RemoteObject]], Sequence[Sequence[Unit]]]
 
 
 @dataclass(frozen=True)
@@ -88,20 +90,33 @@ class Sampler:
         mine = self.node_objects(cursor.pass_)
         for group in range(cursor.group, -(-len(mine) // self._mix)):
             members = mine[group * self._mix : (group + 1) * self._mix]
-            sequence = self._interleave(cursor.pass_, members)
             first = cursor.step if group == cursor.group else 0
-            for step in range(first, len(sequence)):
-                after = Cursor(cursor.pass_, group, step + 1)
-                if step + 1 == len(sequence):
-                    after = Cursor(cursor.pass_, group + 1)
-                yield sequence[step], after
+            for step, (unit, last) in enumerate(self._interleave(cursor.pass_, members)):
+                if step >= first:
+                    yield unit, Cursor(cursor.pass_, group + 1) if last else Cursor(cursor.pass_, group, step + 1)
 
-    def _interleave(self, pass_: int, members: np.ndarray) -> list[Unit]:
-        """The units of ``members``, each object's permuted, taken round-robin across objects."""
+    def _interleave(self, pass_: int, members: np.ndarray) -> Iterator[tuple[Unit, bool]]:
+        """The units of ``members``, each object's permuted, taken round-robin across objects, each with
+        whether it is the group's last. The first round asks for each object's units as its turn comes
+        (``units_of`` may hand them over as they are read), so a group's first unit waits for one
+        object's metadata, not for all of them: an empty cache's first shard, one remote read sooner."""
         per_object = self._units_of([self._objects[int(i)] for i in members])
-        shuffled = [
-            [units[int(j)] for j in permutation(len(units), self._seed, self._order(pass_), int(index))]
-            for index, units in zip(members, per_object)
-        ]
-        longest = max((len(units) for units in shuffled), default=0)
-        return [units[k] for k in range(longest) for units in shuffled if k < len(units)]
+        shuffled: dict[int, list[Unit]] = {}
+
+        def units(k: int) -> list[Unit]:
+            if k not in shuffled:
+                got = per_object[k]
+                order = permutation(len(got), self._seed, self._order(pass_), int(members[k]))
+                shuffled[k] = [got[int(j)] for j in order]
+            return shuffled[k]
+
+        count, several = len(members), False  # several: an object before has a second unit
+        for k in range(count):
+            if units(k):  # a unit follows if one of these has a second, or a later object has any
+                follows = several or len(units(k)) > 1 or any(units(i) for i in range(k + 1, count))
+                yield units(k)[0], not follows
+            several = several or len(units(k)) > 1
+        longest = max((len(units(k)) for k in range(count)), default=0)
+        rest = [units(k)[r] for r in range(1, longest) for k in range(count) if r < len(units(k))]
+        for number, unit in enumerate(rest, start=1):
+            yield unit, number == len(rest)

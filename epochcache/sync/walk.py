@@ -12,8 +12,9 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import overload
 
 from epochcache.cache.ledger import Ledger
 from epochcache.config import Config
@@ -154,17 +155,19 @@ class Walk:
                       self.stop, "keeping the cached size per listed byte")
         return ratio
 
-    def _units_of(self, stream: Stream, pass_: int, objects: Sequence[RemoteObject]) -> list[Sequence[Unit]]:
-        """The units of ``objects``, their metadata read concurrently. An object whose metadata keeps
-        failing (or is gone, or damaged) counts as empty for this pass and is recorded, so a restart
-        walks the same order; it is retried at the end of the pass."""
+    def _units_of(self, stream: Stream, pass_: int, objects: Sequence[RemoteObject]) -> Sequence[Sequence[Unit]]:
+        """The units of ``objects``, their metadata read as :class:`_Arriving` says: the first object's
+        alone, the others' concurrently. An object whose metadata keeps failing (or is gone, or
+        damaged) counts as empty for this pass and is recorded, so a restart walks the same order; it
+        is retried at the end of the pass."""
         skipped = self.skips.skipped_objects(pass_)
-        futures = [
-            None if f"{obj.path}#*" in skipped
-            else self.pool.submit(self.retrier.call, stream.source.units, obj, what=f"metadata of {obj.path}")
-            for obj in objects
-        ]
-        return [self._units_or_skip(stream, pass_, obj, future) for obj, future in zip(objects, futures)]
+
+        def read(obj: RemoteObject) -> Future[Sequence[Unit]] | None:
+            if f"{obj.path}#*" in skipped:
+                return None
+            return self.pool.submit(self.retrier.call, stream.source.units, obj, what=f"metadata of {obj.path}")
+
+        return _Arriving(objects, read, functools.partial(self._units_or_skip, stream, pass_))
 
     def _units_or_skip(self, stream: Stream, pass_: int, obj: RemoteObject,
                        future: Future[Sequence[Unit]] | None) -> Sequence[Unit]:
@@ -206,3 +209,38 @@ class Walk:
         listing = store_listing(self.ledger, stream.source.scan_objects(), header, stream.name)
         log.info("listed %d objects under %s for pass %d", len(listing), stream.source.url, pass_)
         return listing
+
+
+class _Arriving(Sequence[Sequence[Unit]]):
+    """Each object's units, read when first wanted: the first object wanted is read alone, and when a
+    second is wanted every other one is read at once (concurrently, in the pool). The sampler wants
+    them in order, so a group's first unit (an empty cache's first shard) waits for one metadata read
+    rather than for all of them at once, competing; the rest are read while that unit is fetched and
+    written. Each is taken (``take(obj, its read)``) once."""
+
+    def __init__(self, objects: Sequence[RemoteObject],
+                 read: Callable[[RemoteObject], Future[Sequence[Unit]] | None],
+                 take: Callable[[RemoteObject, Future[Sequence[Unit]] | None], Sequence[Unit]]) -> None:
+        self._objects, self._read, self._take = objects, read, take
+        self._reads: dict[int, Future[Sequence[Unit]] | None] = {}
+        self._taken: dict[int, Sequence[Unit]] = {}
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    @overload
+    def __getitem__(self, index: int) -> Sequence[Unit]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Sequence[Unit]]: ...
+
+    def __getitem__(self, index: int | slice) -> Sequence[Unit] | Sequence[Sequence[Unit]]:
+        if isinstance(index, slice):
+            return [self[k] for k in range(*index.indices(len(self)))]
+        index = range(len(self))[index]  # an IndexError out of range, a negative index counted from the end
+        if index not in self._taken:
+            for k in [index] if not self._reads else range(len(self)):
+                if k not in self._reads:
+                    self._reads[k] = self._read(self._objects[k])
+            self._taken[index] = self._take(self._objects[index], self._reads[index])
+        return self._taken[index]

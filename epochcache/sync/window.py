@@ -30,7 +30,8 @@ _Slot = tuple[Stream | None, Unit | None, MixCursor, Future[pa.Table] | None]
 
 class FetchWindow:
     """Keeps up to ``concurrency`` units in flight (one while ``first_shard()``: an empty cache's
-    first unit then has the machine to itself); a pause of the walk drains the window.
+    first unit, and its shard's write, then have the machine to themselves); a pause of the walk
+    drains the window.
 
     A unit counts from its submission until the daemon takes its rows, so a read that finished out
     of order still holds its slot: the daemon's memory holds at most ``concurrency`` units' tables

@@ -62,14 +62,11 @@ from epochcache.train.prefetch import BatchThread
 from epochcache.train.resume import Progress, read_state, snapshot_id
 from epochcache.train.timing import PrepareClock
 from epochcache.train.transform import BatchTransform, SampleTransform, TransformedDataset
-from epochcache.train.waiting import Patience, wait_for_samples
+from epochcache.train.waiting import LedgerChanges, Patience, wait_for_samples
 from epochcache.train.workers import PoolEpoch, WorkerPool
 
 log = logging.getLogger(__name__)
 
-# A snapshot of an empty cache is one small SQLite transaction: polling often keeps the time to the
-# first batch, when the trainer and the daemon start together, close to the daemon's first publish.
-_EMPTY_POLL_S = 0.02
 # Worker processes chosen when a transform is given and loader.num_workers is left unset.
 _AUTO_WORKERS = 2
 
@@ -483,6 +480,7 @@ class EpochCachedLoader:
         ``wait_timeout_s``; see :class:`epochcache.train.waiting.Patience`), and when the snapshot that
         gave it began (``time.monotonic()``: what came before was waiting, not preparing)."""
         patience = Patience(self._layout, self.config.wait_timeout_s)
+        changes = LedgerChanges(self._ledger)  # an empty snapshot is taken again once the daemon published
         while True:
             attempt = time.monotonic()
             lease = self._ledger.snapshot(f"{self._owner}:epoch{epoch}", self.config.lease_ttl_s,
@@ -493,7 +491,8 @@ class EpochCachedLoader:
                 return lease, attempt
             self._release(lease.id)
             why = patience.over()
-            if why is not None or self._closed.wait(_EMPTY_POLL_S):
+            # a change: the daemon published (or wrote its state); closed: the wait ends here
+            if why is not None or (not changes.wait(self._closed) and self._closed.is_set()):
                 if why == "no daemon":
                     raise CacheEmptyError(
                         f"no shard in {self._layout.root} after {patience.elapsed():.0f}s and no sync daemon runs "

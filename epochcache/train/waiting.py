@@ -1,5 +1,7 @@
 """Waiting for shards: before the first epoch until the cache holds ``loader.min_samples`` samples,
-and (see :class:`Patience`) for an epoch's first shard.
+and (see :class:`Patience`) for an epoch's first shard. What a wait waits for is a publish by the
+daemon: :class:`LedgerChanges` sees it within :data:`CHANGE_POLL_S` by a probe that costs no
+transaction, so the ledger's state is read again (or a snapshot taken) only once it changed.
 
 In: the cache layout and ledger; out: nothing, or a :class:`CacheEmptyError`. A wait lasts while a
 sync daemon runs on the cache dir, up to ``loader.wait_timeout_s``; with no daemon it ends after
@@ -21,6 +23,9 @@ from epochcache.cache.lockfile import holder
 from epochcache.errors import CacheEmptyError
 
 _POLL_S = 0.2
+# How often a wait probes the ledger for a commit (Ledger.version: no table read, no transaction), so
+# an empty cache's first shard is in an epoch within milliseconds of its publish (~4 us a probe).
+CHANGE_POLL_S = 0.005
 # How long a wait goes on with no sync daemon running on the cache dir.
 NO_DAEMON_GRACE_S = 5.0
 
@@ -28,6 +33,30 @@ NO_DAEMON_GRACE_S = 5.0
 def daemon_running(layout: CacheLayout) -> bool:
     """Whether a sync daemon holds ``layout.lock`` now."""
     return holder(layout.lock) is not None
+
+
+class LedgerChanges:
+    """Commits to ``ledger`` by other connections (the daemon's publishes), seen by probing
+    :meth:`Ledger.version` every :data:`CHANGE_POLL_S`. Make it before the first look at the state it
+    guards, so that no commit between that look and the wait goes unseen."""
+
+    def __init__(self, ledger: Ledger):
+        self._ledger = ledger
+        self._seen = ledger.version()
+
+    def wait(self, stop: threading.Event, timeout_s: float = _POLL_S) -> bool:
+        """True as soon as the ledger changed since this object last said so (or was made); False once
+        ``timeout_s`` passed without a change (by default the interval at which a wait asks its
+        :class:`Patience` again), or ``stop`` is set."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            version = self._ledger.version()
+            if version != self._seen:
+                self._seen = version
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0 or stop.wait(min(CHANGE_POLL_S, left)):
+                return False
 
 
 class Patience:
@@ -62,6 +91,7 @@ def wait_for_samples(
     """Return once ``ledger`` counts ``samples`` rows; raise :class:`CacheEmptyError` when ``Patience``
     over ``timeout_s`` runs out."""
     patience = Patience(layout, timeout_s)
+    changes = LedgerChanges(ledger)
     with tqdm(total=samples, desc="waiting for cached samples", unit="sample", disable=not progress) as bar:
         while True:
             rows = ledger.usage().rows
@@ -69,10 +99,11 @@ def wait_for_samples(
             if rows >= samples:
                 return
             why = patience.over()
-            if why is not None or stop.wait(_POLL_S):
-                head = (f"cache {layout.root} holds {rows} samples after {patience.elapsed():.0f}s, fewer than "
-                        f"loader.min_samples={samples}")
-                raise CacheEmptyError(f"{head}{_advice(why)} or lower loader.min_samples")
+            if why is None and (changes.wait(stop) or not stop.is_set()):
+                continue
+            head = (f"cache {layout.root} holds {rows} samples after {patience.elapsed():.0f}s, fewer than "
+                    f"loader.min_samples={samples}")
+            raise CacheEmptyError(f"{head}{_advice(why)} or lower loader.min_samples")
 
 
 def _advice(why: str | None) -> str:

@@ -33,6 +33,8 @@ def test_epochcache_alone_end_to_end_every_epoch_exact_and_within_the_budget(tmp
         assert median["exact_epochs"] == median["epochs"] == 3, (name, entry["rounds"][0]["checks"])
         assert median["cold_samples_per_s"] > 0 and median["warm_samples_per_s"] > 0, name
         assert 0 < median["first_batch_s"] < 60, name
+        assert 0 < median["first_shard_s"] <= median["first_batch_s"], name  # the daemon's part of the wait
+        assert median["daemon_imports_s"] > 0, name  # timed apart, before the clock
         assert median["peak_pss_bytes"] > 0, name
         assert 0 < median["peak_daemon_pss_bytes"] < median["peak_pss_bytes"], name  # the daemon measured apart
         assert 0 < median["peak_trainer_pss_bytes"] <= median["peak_pss_bytes"], name  # the daemon may be gone then
