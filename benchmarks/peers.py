@@ -41,7 +41,9 @@ Each run is one child process per system (imports and PSS separate), on a fresh,
 - epoch gap: median time from an epoch's last batch to the next one's first, between warm epochs;
 - peak PSS: the child's whole process tree (workers, the daemon, curl pipes), and for epochcache its
   daemon apart from the trainer and its workers, sampled every ~0.2 s by this process with
-  ``epochcache.tools.pss``;
+  ``epochcache.tools.pss``; beside it, "(anon)", the peak of the same PSS less mapped files (anonymous
+  and shared memory): epochcache maps its shards, so the page cache of every shard its trainer has read
+  counts in its PSS, where a peer that ``read()``s its files holds the same page cache outside its own;
 - budget: each system is given ``--budget-mb`` (default 1.25x the samples' bytes) where it has a knob
   (epochcache ``cache.max_bytes``, LitData ``max_cache_size``, WebDataset ``cache_size``, Streaming
   ``cache_limit``); the bytes of the files under its cache dir are summed every ~0.05 s and the peak
@@ -158,28 +160,35 @@ def folder_bytes(root: Path) -> int:
 class Watcher(threading.Thread):
     """Peak PSS of a process tree (every 4th tick) and peak bytes under a cache dir (every 0.05 s).
     Once ``daemon_pid`` is set (epochcache's sync daemon, a child of the tree), also the peaks of the
-    daemon's PSS and of the rest of the tree (the trainer and its workers), taken at the same ticks."""
+    daemon's PSS and of the rest of the tree (the trainer and its workers), taken at the same ticks.
+    Beside each total, the peak of its anonymous and shared-memory part: PSS less mapped files (the
+    libraries, and the page cache of the shards a reader maps, which a ``read()`` reader holds outside
+    its PSS)."""
 
     def __init__(self, pid: int, cache: Path):
         super().__init__(daemon=True)
         self.pid, self.cache = pid, cache
         self.peak_pss = self.peak_cache = self.peak_daemon_pss = self.peak_trainer_pss = 0
+        self.peak_anon = self.peak_trainer_anon = 0  # PSS less mapped files: anonymous + shared memory
         self.daemon_pid: int | None = None
         self._done = threading.Event()
 
     def run(self) -> None:
-        from epochcache.tools.pss import tree_pss_bytes
+        from epochcache.tools.pss import tree_pss
 
         tick = 0
         while not self._done.wait(0.05):
             self.peak_cache = max(self.peak_cache, folder_bytes(self.cache))
             if tick % 4 == 0:
-                whole = tree_pss_bytes(self.pid)
-                self.peak_pss = max(self.peak_pss, whole)
+                whole = tree_pss(self.pid)
+                self.peak_pss = max(self.peak_pss, whole.total)
+                self.peak_anon = max(self.peak_anon, whole.total - whole.file)
                 if self.daemon_pid is not None:
-                    daemon = tree_pss_bytes(self.daemon_pid)
-                    self.peak_daemon_pss = max(self.peak_daemon_pss, daemon)
-                    self.peak_trainer_pss = max(self.peak_trainer_pss, whole - daemon)
+                    daemon = tree_pss(self.daemon_pid)
+                    self.peak_daemon_pss = max(self.peak_daemon_pss, daemon.total)
+                    self.peak_trainer_pss = max(self.peak_trainer_pss, whole.total - daemon.total)
+                    trainer_files = whole.file - daemon.file
+                    self.peak_trainer_anon = max(self.peak_trainer_anon, whole.total - daemon.total - trainer_files)
             tick += 1
 
     def stop(self) -> None:
@@ -257,9 +266,9 @@ def summarise(result: dict[str, Any], cpu: dict[str, float], watcher: Watcher,
         **{key: result[key] for key in ("first_shard_s", "daemon_imports_s") if key in result},
         "epoch_gap_ms": statistics.median(gaps) * 1e3 if gaps else None,
         "batch_interval_ms": statistics.median(intervals) * 1e3,
-        "peak_pss_bytes": watcher.peak_pss,
-        **({"peak_daemon_pss_bytes": watcher.peak_daemon_pss, "peak_trainer_pss_bytes": watcher.peak_trainer_pss}
-           if watcher.daemon_pid is not None else {}),
+        "peak_pss_bytes": watcher.peak_pss, "peak_pss_anon_bytes": watcher.peak_anon,
+        **({"peak_daemon_pss_bytes": watcher.peak_daemon_pss, "peak_trainer_pss_bytes": watcher.peak_trainer_pss,
+            "peak_trainer_pss_anon_bytes": watcher.peak_trainer_anon} if watcher.daemon_pid is not None else {}),
         "peak_cache_bytes": watcher.peak_cache,
         "cold_cpu_us_per_sample": (cpu["cold"] - cpu["start"]) / delivered[0] * 1e6,
         "warm_cpu_us_per_sample": (cpu["warm"] - cpu["cold"]) / sum(delivered[1:]) * 1e6,
@@ -332,7 +341,7 @@ def medians(results: list[dict[str, Any]]) -> dict[str, Any]:
 def table(summary: dict[str, Any], args: argparse.Namespace) -> str:
     sample_mb = (args.size + 8) / 1e6
     head = (f"{'system':<28}{'cold/s':>8}{'MB/s':>7}{'warm/s':>9}{'MB/s':>7}{'1st batch':>10}{'gap ms':>8}"
-            f"{'(batch)':>8}{'PSS MB':>8}{'cache MB':>9}{'budget':>7}{'CPU us/sample':>15}  epochs ok")
+            f"{'(batch)':>8}{'PSS MB':>8}{'(anon)':>7}{'cache MB':>9}{'budget':>7}{'CPU us/sample':>15}  epochs ok")
     lines = [head]
     for name, entry in summary.items():
         m = entry["median"]
@@ -344,7 +353,8 @@ def table(summary: dict[str, Any], args: argparse.Namespace) -> str:
         lines.append(
             f"{name:<28}{m['cold_samples_per_s']:>8.0f}{m['cold_samples_per_s'] * sample_mb:>7.0f}"
             f"{m['warm_samples_per_s']:>9.0f}{m['warm_samples_per_s'] * sample_mb:>7.0f}{m['first_batch_s']:>9.2f}s"
-            f"{gap:>8}{m['batch_interval_ms']:>8.2f}{m['peak_pss_bytes'] / 2**20:>8.0f}"
+            f"{gap:>8}{m['batch_interval_ms']:>8.2f}"
+            f"{m['peak_pss_bytes'] / 2**20:>8.0f}{m['peak_pss_anon_bytes'] / 2**20:>7.0f}"
             f"{m['peak_cache_bytes'] / 2**20:>9.0f}{'kept' if m['peak_cache_bytes_max'] <= args.budget else 'OVER':>7}"
             f"{m['cold_cpu_us_per_sample']:>8.0f} /{m['warm_cpu_us_per_sample']:>5.0f}"
             f"  {m['exact_epochs']}/{m['epochs']}{'' if m['exact_epochs'] == m['epochs'] else ' wrong'}"
@@ -352,8 +362,10 @@ def table(summary: dict[str, Any], args: argparse.Namespace) -> str:
                if failed else "")
         )
     split = [f"{name}: daemon {m['peak_daemon_pss_bytes'] / 2**20:.0f} MiB, trainer and its workers "
-             f"{m['peak_trainer_pss_bytes'] / 2**20:.0f} MiB" for name, entry in summary.items()
-             if "peak_daemon_pss_bytes" in (m := entry["median"])]
+             f"{m['peak_trainer_pss_bytes'] / 2**20:.0f} MiB (anon {m['peak_trainer_pss_anon_bytes'] / 2**20:.0f})"
+             for name, entry in summary.items() if "peak_daemon_pss_bytes" in (m := entry["median"])]
+    lines.append("(anon): peak PSS less mapped files (libraries; the page cache of mapped shards, which a read() "
+                 "reader holds outside its PSS), i.e. anonymous + shared memory")
     if split:
         lines += ["peak PSS apart (the two peaks need not fall at the same moment):", *split]
     start = [f"{name}: {m['first_shard_s']:.2f}s, its imports {m['daemon_imports_s']:.2f}s" for name, entry
@@ -368,7 +380,8 @@ def table(summary: dict[str, Any], args: argparse.Namespace) -> str:
 RATIOS = [
     ("cold_samples_per_s", "cold samples/s", True), ("warm_samples_per_s", "warm samples/s", True),
     ("first_batch_s", "first batch, s", False), ("epoch_gap_ms", "epoch gap, ms", False),
-    ("peak_pss_bytes", "peak PSS, MiB", False), ("cold_cpu_us_per_sample", "cold CPU, us/sample", False),
+    ("peak_pss_bytes", "peak PSS, MiB", False), ("peak_pss_anon_bytes", "peak PSS (anon), MiB", False),
+    ("cold_cpu_us_per_sample", "cold CPU, us/sample", False),
     ("warm_cpu_us_per_sample", "warm CPU, us/sample", False),
 ]
 
@@ -385,7 +398,7 @@ def ratios(summary: dict[str, Any]) -> str:
         pick = max if higher else min
         a, b = pick(ours, key=ours.__getitem__), pick(theirs, key=theirs.__getitem__)
         ratio = ours[a] / theirs[b] if higher else theirs[b] / ours[a]
-        scale = 2**-20 if key == "peak_pss_bytes" else 1
+        scale = 2**-20 if key.startswith("peak_pss") else 1
         lines.append(f"{label:<22}{ours[a] * scale:>10.2f} ({a}){'':>{max(0, 24 - len(a))}}"
                      f"{theirs[b] * scale:>10.2f} ({b}){'':>{max(0, 20 - len(b))}}{ratio:>7.2f}x")
     return "\n".join(lines)

@@ -35,9 +35,10 @@ def test_epochcache_alone_end_to_end_every_epoch_exact_and_within_the_budget(tmp
         assert 0 < median["first_batch_s"] < 60, name
         assert 0 < median["first_shard_s"] <= median["first_batch_s"], name  # the daemon's part of the wait
         assert median["daemon_imports_s"] > 0, name  # timed apart, before the clock
-        assert median["peak_pss_bytes"] > 0, name
+        assert 0 < median["peak_pss_anon_bytes"] < median["peak_pss_bytes"], name  # less the mapped files
         assert 0 < median["peak_daemon_pss_bytes"] < median["peak_pss_bytes"], name  # the daemon measured apart
         assert 0 < median["peak_trainer_pss_bytes"] <= median["peak_pss_bytes"], name  # the daemon may be gone then
+        assert 0 < median["peak_trainer_pss_anon_bytes"] < median["peak_trainer_pss_bytes"], name
         assert 0 < median["peak_cache_bytes"] <= 4 * 2**20, name  # the daemon filled the cache within its budget
         assert median["cold_cpu_us_per_sample"] > 0, name
         assert name in run.stdout  # the table
