@@ -1,8 +1,10 @@
 """RowSpace: a batch's rows of one fixed-width column, from any number of mapped shards, in one numpy call.
 
 In: for each shard held open, its column as a C-contiguous numpy view of shape ``(rows, *item_shape)``
-(zero-copy, into the shard's mapping); per batch, each row's shard number and row within that shard.
-Out: a fresh C-contiguous array of shape ``(batch rows, *item_shape)``, in the batch's order.
+(zero-copy, into the shard's mapping); each row's shard number and row within that shard, which
+:meth:`RowSpace.positions` turns into positions (for a whole run of batches at once, if wanted).
+Out, per batch of positions (:meth:`RowSpace.rows_at`): a fresh C-contiguous array of shape
+``(batch rows, *item_shape)``, in the batch's order.
 
 How: one read-only numpy array spans the whole user address range, with dtype ``V<row bytes>`` and
 a stride of one byte, so the element at position ``p`` is the row that starts ``p`` bytes after the
@@ -11,10 +13,10 @@ then one vectorised add and one fancy index (a ``memcpy`` per row in numpy's C l
 number of shards it touches. (A ``numpy.take`` per shard costs a few microseconds of Python per
 shard touched: on small shards that, not the copy, bounded throughput.)
 
-Invariant: a shard's base address is in the table only between :meth:`add` and :meth:`drop`, and
-its owner keeps the view given to ``add`` (and so the mapping) alive in between, so a gather never
-reads memory that is not mapped. The span may cover unmapped gaps between mappings: no position
-inside them is ever formed.
+Invariant: a shard's base address is in the table only between :meth:`add` and :meth:`drop`, its
+owner keeps the view given to ``add`` (and so the mapping) alive in between, and uses positions only
+while their shards stay added, so a gather never reads memory that is not mapped. The span may cover
+unmapped gaps between mappings: no position inside them is ever formed.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class RowSpace:
         self._base = np.full(shards, _NOT_HELD, np.int64)  # address of each held shard's row 0
         self._low, self._high = _FIRST_SPAN  # the span [low, high) of the view, holding every column added
         self._space = self._view()
+        # viewing a gathered V<row_bytes> array as this dtype gives it the shape (rows, *item_shape)
+        self._rows = np.dtype((self.dtype, self.item_shape)) if self.item_shape else self.dtype
 
     def add(self, shard: int, column: np.ndarray) -> None:
         """Hold ``column`` (rows of this space's dtype and item shape, C-contiguous) as shard ``shard``'s."""
@@ -66,19 +70,17 @@ class RowSpace:
         """Forget shard ``shard``'s column: call before letting its view go."""
         self._base[shard] = _NOT_HELD
 
-    def held(self, shards: np.ndarray) -> np.ndarray:
-        """Whether each of ``shards`` has its column added (and not dropped)."""
-        return self._base[shards] != _NOT_HELD
+    def positions(self, shard_of: np.ndarray, local: np.ndarray) -> np.ndarray:
+        """Where the rows ``local[i]`` of shards ``shard_of[i]`` are, for :meth:`rows_at`: only for shards
+        added (the caller checks), and valid until one of them is dropped."""
+        return self._base[shard_of] - self._low + local * self.row_bytes  # type: ignore[no-any-return]
 
-    def gather(self, shard_of: np.ndarray, local: np.ndarray) -> np.ndarray:
-        """The rows ``local[i]`` of shards ``shard_of[i]`` (every one held), copied in that order."""
-        rows = len(shard_of)
-        if not rows or not self.row_bytes:
-            return np.empty((rows, *self.item_shape), self.dtype)
-        if not self.held(shard_of).all():
-            raise ValueError("RowSpace.gather: a row's shard is not held (add its column first)")
-        positions = self._base[shard_of] - self._low + local * self.row_bytes
-        return self._space[positions].view(self.dtype).reshape(rows, *self.item_shape)
+    def rows_at(self, positions: np.ndarray) -> np.ndarray:
+        """The rows at ``positions`` (from :meth:`positions`, their shards still added), copied in that
+        order into a fresh C-contiguous array of shape ``(len(positions), *item_shape)``: one numpy call."""
+        if not self.row_bytes:
+            return np.empty((len(positions), *self.item_shape), self.dtype)
+        return self._space[positions].view(self._rows)  # type: ignore[no-any-return]
 
 
 def _byte_strided(address: int, count: int, row_bytes: int) -> np.ndarray:

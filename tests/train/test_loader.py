@@ -84,7 +84,9 @@ def test_lease_held_during_epoch_and_released_after(synced: Config) -> None:
     assert finished in [lease["id"] for lease in ledger.leases()]
     epoch = iter(loader)
     next(epoch)
-    # once the next epoch's first batch is out, the finished epoch's lease is released
+    assert finished in [lease["id"] for lease in ledger.leases()]  # kept while the first batch is in use
+    next(epoch)
+    # once the trainer comes back from the next epoch's first batch, the finished epoch's lease is released
     wait_for(lambda: [lease["id"] for lease in ledger.leases()] == [next_epoch], timeout=10)
     epoch.close()
     loader.close()
