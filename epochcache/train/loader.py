@@ -179,6 +179,7 @@ class EpochCachedLoader:
         self._progress: Progress | None = None
         self._resume: Progress | None = None
         self._next: tuple[int, Future[_Epoch]] | None = None
+        self._unstarted: Future[_Epoch] | None = None  # the next epoch, until queued on the worker pool
         self._retiring: _Epoch | None = None  # the last epoch, done but its batch source not yet stopped
         self._present_ids: set[str] = set()  # shards whose file this loader found at its size
         # one checksumming thread per host (local rank 0), started on each epoch's first batch
@@ -247,9 +248,10 @@ class EpochCachedLoader:
                         recorded = self._after_first_batch_out(current, first)
                 else:
                     yield batch
-                if self._clock.due(number):
+                if self._next is None and self._clock.due(number):
                     self._prepare_ahead(epoch + 1)
-                self._start_prepared()
+                if self._unstarted is not None:
+                    self._start_prepared()
             self._progress = None
             self._prepare_ahead(epoch + 1)
             completed = True
@@ -371,7 +373,7 @@ class EpochCachedLoader:
     def _take_prepared(self, epoch: int, resume: Progress | None) -> _Epoch:
         if resume is None and self._next is not None and self._next[0] == epoch:
             future = self._next[1]
-            self._next = None
+            self._next = self._unstarted = None
             prepared = future.result()
             # A shard quarantined since its snapshot (the verifier found it damaged; its mapping
             # may still be open here) must not be read by an epoch that starts now: build it again.
@@ -384,18 +386,23 @@ class EpochCachedLoader:
     def _drop_prepared(self) -> None:
         if self._next is not None:
             _, future = self._next
-            self._next = None
+            self._next = self._unstarted = None
             if not future.cancel() and future.exception() is None:
                 self._finish(future.result())
 
     def _start_prepared(self) -> None:
-        """Start the prepared next epoch's workers, from this (the main) thread, once it is built."""
-        if self._next is not None and self._next[1].done() and self._next[1].exception() is None:
-            self._next[1].result().start()
+        """Queue the prepared next epoch on the worker pool, from this (the main) thread, once it is built."""
+        unstarted = self._unstarted
+        if unstarted is not None and unstarted.done():
+            self._unstarted = None
+            if unstarted.exception() is None:
+                unstarted.result().start()
 
     def _prepare_ahead(self, epoch: int) -> None:
         if self._next is None and not self._closed.is_set():
             self._next = (epoch, self._prepare_pool.submit(self._prepare, epoch, True, None))
+            if self._workers:  # (a batch thread starts itself)
+                self._unstarted = self._next[1]
 
     def _quarantines(self) -> int:
         return self._ledger.counters().get("quarantined", 0)
