@@ -29,12 +29,12 @@ def test_batches_come_in_order_and_at_most_depth_ahead() -> None:
     source = _Counted(50)
     with ThreadPoolExecutor(1) as pool:
         thread = BatchThread(source, 3, pool)
-        # 3 queued and one more built, waiting for a credit
-        wait_for(lambda: source.built == 4, timeout=10)
+        wait_for(lambda: source.built == 4, timeout=10)  # 3 handed over, one more built, waiting for a place
         assert next(thread) == 0
+        assert next(thread) == 1  # back from batch 0: its place is free
         wait_for(lambda: source.built == 5, timeout=10)
-        assert source.built == 5, "one taken, one more built: never further ahead"
-        assert list(thread) == list(range(1, 50))
+        assert source.built == 5, "one place freed, one more batch: never further ahead"
+        assert list(thread) == list(range(2, 50))
         with pytest.raises(StopIteration):
             next(thread)
         thread.close()
