@@ -27,7 +27,7 @@ workers sends paths, never data.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
 
@@ -196,14 +196,36 @@ class ShardSetDataset(Dataset[Batch]):
         groups = [touched[i : i + self._max_open] for i in range(0, len(touched), self._max_open)]
         return [np.flatnonzero(np.isin(shard_of, group)) for group in groups]
 
-    def _gather(self, shard_of: np.ndarray, local: np.ndarray) -> dict[str, Any]:
+    def gather_into(self, indices: Sequence[int] | np.ndarray, into: Mapping[str, np.ndarray]) -> tuple[int, Batch]:
+        """The rows at ``indices`` as ``__getitems__`` gives them, but each fixed-width column written into
+        ``into`` (name -> a C-contiguous array with room for ``len(indices)`` rows: a worker's shared-memory
+        slot) instead of a fresh tensor, by :meth:`RowSpace.rows_into`. Returns how many rows were
+        written (the indices less the rows of unreadable shards) and the other columns."""
+        shard_of, local = self._locate(indices)
+        template = self._reference()
+        parts, rows = [], 0
+        for part in self._parts(shard_of):
+            parts.append(self._gather(shard_of[part], local[part], into, rows))
+            rows += len(parts[-1][next(iter(self._spaces))])
+        return rows, {name: _join([p[name] for p in parts], column)
+                      for name, column in template.items() if name not in self._spaces}
+
+    def _gather(self, shard_of: np.ndarray, local: np.ndarray, into: Mapping[str, np.ndarray] | None = None,
+                at: int = 0) -> dict[str, Any]:
         """Rows ``local`` of shards ``shard_of`` (at most ``max_open_shards`` shards), those of unreadable
-        shards left out: each fixed-width column in one call (epochcache.train.rowspace), others per shard."""
+        shards left out: each fixed-width column in one call (epochcache.train.rowspace), into fresh
+        arrays or, given ``into``, into its arrays from row ``at`` on; others per shard."""
         readable = self._hold(shard_of)
         if not readable.all():
             shard_of, local = shard_of[readable], local[readable]
-        batch: dict[str, Any] = {name: space.rows_at(space.positions(shard_of, local))
-                                 for name, space in self._spaces.items()}
+        batch: dict[str, Any] = {}
+        for name, space in self._spaces.items():
+            positions = space.positions(shard_of, local)
+            if into is None:
+                batch[name] = space.rows_at(positions)
+            else:
+                batch[name] = into[name][at : at + len(positions)]
+                space.rows_into(positions, batch[name])
         others = [name for name in self._reference() if name not in batch]
         if others:
             batch.update(self._gather_by_shard(others, shard_of, local))
@@ -216,7 +238,8 @@ class ShardSetDataset(Dataset[Batch]):
         grouped, rows = shard_of[order], local[order]
         splits = (np.flatnonzero(np.diff(grouped)) + 1).tolist()
         values: dict[str, list[Any]] = {name: [] for name in names}
-        for start, end in zip([0, *splits], [*splits, len(grouped)]):
+        runs = zip([0, *splits], [*splits, len(grouped)]) if len(grouped) else ()  # (no row: all unreadable)
+        for start, end in runs:
             views = self._held[int(grouped[start])]
             for name in names:
                 col = views[name]

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import math
 import mmap
+import warnings
 
 import numpy as np
+import torch
 
 _NOT_HELD = 0
 # The span a space starts with: the user address range of x86-64 and arm64 processes with 4-level page
@@ -42,6 +44,7 @@ class RowSpace:
         self._base = np.full(shards, _NOT_HELD, np.int64)  # address of each held shard's row 0
         self._low, self._high = _FIRST_SPAN  # the span [low, high) of the view, holding every column added
         self._space = self._view()
+        self._torch_rows: torch.Tensor | None = None  # the span as torch sees it, made on first use
         # viewing a gathered V<row_bytes> array as this dtype gives it the shape (rows, *item_shape)
         self._rows = np.dtype((self.dtype, self.item_shape)) if self.item_shape else self.dtype
 
@@ -59,12 +62,13 @@ class RowSpace:
         self._base[shard] = start
         if start < self._low or end > self._high:
             self._low, self._high = min(self._low, start), max(self._high, end)
-            self._space = self._view()
+            self._space, self._torch_rows = self._view(), None
 
     def _view(self) -> np.ndarray:
-        """The byte-strided view of the span (elements of at least one byte: a dtype needs a size)."""
+        """The span as elements of ``row_bytes`` bytes, element ``p`` starting ``p`` bytes into it (they
+        overlap: stride one byte; at least one byte each: a dtype needs a size)."""
         size = max(self.row_bytes, 1)
-        return _byte_strided(self._low, self._high - self._low - size + 1, size)
+        return _strided(self._low, (self._high - self._low - size + 1,), (1,), f"|V{size}")
 
     def drop(self, shard: int) -> None:
         """Forget shard ``shard``'s column: call before letting its view go."""
@@ -82,15 +86,36 @@ class RowSpace:
             return np.empty((len(positions), *self.item_shape), self.dtype)
         return self._space[positions].view(self._rows)  # type: ignore[no-any-return]
 
+    def rows_into(self, positions: np.ndarray, out: np.ndarray) -> None:
+        """The rows at ``positions`` (as for :meth:`rows_at`) copied in that order into ``out``, a
+        C-contiguous array of ``len(positions)`` rows of this space's dtype and item shape.
 
-def _byte_strided(address: int, count: int, row_bytes: int) -> np.ndarray:
-    """A read-only array of ``count`` elements of ``row_bytes`` bytes each, element ``p`` starting at
-    ``address + p`` (they overlap: stride one byte). Creating it touches no memory."""
+        The copy is torch's ``index_select``, which releases the GIL (numpy's gather of a batch holds
+        it): meant for DataLoader workers, which run one intra-op thread, where the thread sending the
+        last batch to the trainer then runs beside it. (In the trainer torch would split the copy over
+        its intra-op threads, which then spin between batches.)"""
+        if not len(positions) or not self.row_bytes:
+            return
+        rows = torch.from_numpy(out.reshape(len(positions), -1).view(np.uint8))
+        torch.index_select(self._rows_as_torch(), 0, torch.from_numpy(positions), out=rows)
+
+    def _rows_as_torch(self) -> torch.Tensor:
+        """The span as a 2-D torch uint8 tensor, row ``p`` the ``row_bytes`` bytes at position ``p``."""
+        if self._torch_rows is None:
+            rows = _strided(self._low, (self._high - self._low - self.row_bytes + 1, self.row_bytes), (1, 1), "|u1")
+            with warnings.catch_warnings():  # read-only memory: torch warns, and it is only ever read from
+                warnings.simplefilter("ignore", UserWarning)
+                self._torch_rows = torch.from_numpy(rows)
+        return self._torch_rows
+
+
+def _strided(address: int, shape: tuple[int, ...], strides: tuple[int, ...], typestr: str) -> np.ndarray:
+    """A read-only numpy array of ``typestr`` elements, ``shape`` and ``strides`` (in bytes) at
+    ``address``. Creating it touches no memory."""
 
     class _Interface:
         __array_interface__ = {
-            "data": (address, True), "shape": (count,), "strides": (1,),
-            "typestr": f"|V{row_bytes}", "version": 3,
+            "data": (address, True), "shape": shape, "strides": strides, "typestr": typestr, "version": 3,
         }
 
     return np.asarray(_Interface())

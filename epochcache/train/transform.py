@@ -37,6 +37,11 @@ class TransformedDataset(Dataset[Any]):
     def __len__(self) -> int:
         return len(self.dataset)
 
+    @property
+    def plain(self) -> bool:
+        """Whether no transform is applied: its batches are the dataset's."""
+        return self._transform is None and self._sample_transform is None
+
     def __getitem__(self, index: int) -> Any:
         """A batch of one: the transforms expect batches, so single samples are not unwrapped."""
         return self.__getitems__([index])
@@ -47,7 +52,7 @@ class TransformedDataset(Dataset[Any]):
     def batches(self, sampler: EpochBatches) -> Iterator[Any]:
         """``sampler``'s batches, transformed (see :meth:`ShardSetDataset.batches`)."""
         planned = self.dataset.batches(sampler)
-        if self._transform is None and self._sample_transform is None:
+        if self.plain:
             return planned
         return map(self._apply, planned)
 

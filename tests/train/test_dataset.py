@@ -270,3 +270,20 @@ def test_planned_batches_leave_out_an_unreadable_shard_and_keep_other_columns(tm
     _same_batches(planned, [ShardSetDataset(paths, rows, columns=columns).__getitems__(i) for i in sampler])
     assert torch.cat([b["id"] for b in planned]).tolist() == [*range(5), *range(11, 18)]
     assert [k for b in planned for k in b[KEY_COLUMN]] == [str(i) for i in [*range(5), *range(11, 18)]]
+
+
+@pytest.mark.parametrize("max_open", [64, 1])
+def test_gather_into_writes_the_rows_getitems_gives(tmp_path: Path, max_open: int) -> None:
+    # max_open 1: a batch over 4 shards is gathered in 4 parts, one after the other (one of them all
+    # unreadable rows, which failed in the string column's gather before)
+    paths, rows = _shards(tmp_path, [5, 6, 7, 4])
+    paths[1].write_bytes(paths[1].read_bytes()[:100])  # unreadable: its rows are left out
+    wanted = np.array([17, 2, 8, 11, 0, 20, 13])
+    columns = [KEY_COLUMN, "image", "id"]
+    want = ShardSetDataset(paths, rows, columns=columns, max_open_shards=max_open).__getitems__(wanted)
+    into = {"image": np.full((8, *ITEM_SHAPE), 7, np.uint8), "id": np.full(8, -1, np.int64)}
+    written, others = ShardSetDataset(paths, rows, columns=columns, max_open_shards=max_open).gather_into(wanted, into)
+    assert written == 6 and others == {KEY_COLUMN: want[KEY_COLUMN]}
+    assert into["id"].tolist() == [*want["id"].tolist(), -1, -1]  # (in parts, rows come part by part)
+    assert sorted(want["id"].tolist()) == [0, 2, 11, 13, 17, 20]
+    assert np.array_equal(into["image"][:6], want["image"].numpy()) and (into["image"][6:] == 7).all()
