@@ -9,7 +9,9 @@ that points into the mapping: opening costs no copy and no per-sample object. A 
 (``__getitems__``) gathers each such column with one numpy call, whatever the number of shards it
 touches (:mod:`epochcache.train.rowspace`), into a fresh array that torch wraps without a copy: one
 copy in all, the gather itself. Rows come in the order asked (the sampler's shuffle), less the rows
-of a shard that cannot be read.
+of a shard that cannot be read. ``batches(sampler)`` gives an epoch's batches the same, but locates
+the rows of up to 64 batches at once (one numpy call per column per batch is then left);
+``gather_into`` writes the columns into given arrays instead (a worker's shared-memory slot).
 
 What each column becomes follows from its Arrow type alone (:mod:`epochcache.cache.columns`), so it is the
 same in every batch: string columns (and ``__key__`` when selected) a list of ``str`` per batch;

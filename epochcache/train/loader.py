@@ -17,9 +17,10 @@ checksummed before the first batch: shards not yet verified on this host are che
 a :class:`~epochcache.cache.verifier.BackgroundVerifier` (local rank 0 only), which quarantines failures.
 
 Two modes: without a user transform, batches are built in this process on a background thread
-(Arrow/numpy gathers release the GIL); with one (``transform`` per batch, ``sample_transform`` per
-sample), DataLoader worker processes run it and send fixed-shape batches back through shared-memory
-slots (:mod:`epochcache.train.slots`). ``loader.num_workers`` overrides the choice.
+(:mod:`epochcache.train.prefetch`; it overlaps a training step while that releases the GIL); with
+one (``transform`` per batch, ``sample_transform`` per sample), DataLoader worker processes run it
+and send fixed-shape batches back through shared-memory slots (:mod:`epochcache.train.slots`).
+``loader.num_workers`` overrides the choice.
 
 Under torch.distributed, ranks sharing a cache dir read one agreed snapshot, each a disjoint part of
 its order, and all ranks of the job get the same number of batches (see :mod:`epochcache.train.distributed`).
