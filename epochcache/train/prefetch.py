@@ -1,18 +1,18 @@
 """In-process batches built ahead on a background thread.
 
 In: an iterable of batches (a generator that builds each one as it is asked for) and a thread pool;
-out: the batches, in order. At most ``depth`` batches are out of the thread's hands, the one the
-consumer holds included (plus one built, waiting for a place). An exception in the thread is raised
-in the consumer, at the batch where it happened.
+out: the batches, in order, at most ``depth`` queued beyond the one the consumer holds (plus one
+built, waiting for a place). An exception in the thread is raised in the consumer, at the batch
+where it happened.
 
-The handoff is two ``queue.SimpleQueue`` (implemented in C): the batches, and ``depth`` places
-(credits) that the thread takes one of before handing over a batch and the consumer gives back when
-it comes for the next batch. Either side blocks in C, without the GIL, and a batch costs one put and
-one get on each: the Condition of a ``queue.Queue`` cost a few microseconds of Python per batch on
-both threads, which with ~60 µs batches was most of what the loader added to the gather. The place
-is given back when the consumer comes back, not as it takes a batch: that wakes the thread, and a
-thread woken as an epoch's first batch was handed out delayed it by ~0.2 ms (the median gap of 37
-epoch boundaries, 0.37 -> 0.18 ms).
+The handoff is two ``queue.SimpleQueue`` (implemented in C): the batches, and ``depth + 1`` places
+(credits, the held batch's included) that the thread takes one of before handing over a batch and
+the consumer gives back when it comes for the next batch. Either side blocks in C, without the GIL,
+and a batch costs one put and one get on each: the Condition of a ``queue.Queue`` cost a few
+microseconds of Python per batch on both threads, which with ~60 µs batches was most of what the
+loader added to the gather. The place is given back when the consumer comes back, not as it takes a
+batch: that wakes the thread, and a thread woken as an epoch's first batch was handed out delayed it
+by ~0.2 ms (the median gap of 37 epoch boundaries, 0.37 -> 0.18 ms).
 
 The thread comes from a pool that outlives the epoch: a thread that ends stalled the consumer for
 ~10 ms here (measured on each epoch's last batch), right at the epoch boundary.
@@ -41,7 +41,7 @@ class BatchThread:
     def __init__(self, batches: Iterable[Any], depth: int, pool: Executor):
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._credits: queue.SimpleQueue[None] = queue.SimpleQueue()
-        for _ in range(depth):
+        for _ in range(depth + 1):
             self._credits.put(None)
         self._stop = threading.Event()
         self._holding = False

@@ -29,11 +29,11 @@ def test_batches_come_in_order_and_at_most_depth_ahead() -> None:
     source = _Counted(50)
     with ThreadPoolExecutor(1) as pool:
         thread = BatchThread(source, 3, pool)
-        wait_for(lambda: source.built == 4, timeout=10)  # 3 handed over, one more built, waiting for a place
+        wait_for(lambda: source.built == 5, timeout=10)  # 3 queued, one for the consumer, one more waiting
         assert next(thread) == 0
         assert next(thread) == 1  # back from batch 0: its place is free
-        wait_for(lambda: source.built == 5, timeout=10)
-        assert source.built == 5, "one place freed, one more batch: never further ahead"
+        wait_for(lambda: source.built == 6, timeout=10)
+        assert source.built == 6, "one place freed, one more batch: never further ahead"
         assert list(thread) == list(range(2, 50))
         with pytest.raises(StopIteration):
             next(thread)
@@ -53,7 +53,7 @@ def test_close_stops_a_thread_waiting_to_hand_over_a_batch() -> None:
     source = _Counted(1000)
     with ThreadPoolExecutor(1) as pool:
         thread = BatchThread(source, 2, pool)
-        wait_for(lambda: source.built == 3, timeout=10)
+        wait_for(lambda: source.built == 4, timeout=10)
         thread.close()  # returns: the waiting thread is woken and stops
-        assert source.built == 3
+        assert source.built == 4
         assert pool.submit(lambda: "free").result(timeout=10) == "free", "the pool's thread is free again"
