@@ -4,12 +4,12 @@ Each epoch's shard set is a ledger snapshot taken together with a lease on exact
 the daemon cannot evict them mid-epoch; a heartbeat thread renews the lease. A finished epoch's
 lease is released, and its batch thread stopped, in the background once the trainer comes back from
 the next epoch's first batch (or at :meth:`EpochCachedLoader.close`), so that work never delays that
-batch; an epoch left early is released at once, and a killed trainer's lease simply expires. When the time the epoch has
-left comes within reach of the measured preparation time (:mod:`epochcache.train.timing`; or at
-``loader.prepare_next_at`` of its batches, when set), a background thread snapshots the next epoch,
-builds its dataset and order and starts its batches (the batch thread, or, at the next batch
-boundary, queues it on the worker processes, which are kept across epochs:
-:mod:`epochcache.train.workers`), so the next epoch starts without a stall.
+batch; an epoch left early is released at once, and a killed trainer's lease simply expires. When
+the time the epoch has left comes within reach of the measured preparation time
+(:mod:`epochcache.train.timing`; or at ``loader.prepare_next_at`` of its batches, when set), a
+background thread snapshots the next epoch, builds its dataset and order and starts its batches (the
+batch thread, or, at the next batch boundary, queues it on the worker processes, which are kept
+across epochs: :mod:`epochcache.train.workers`), so the next epoch starts without a stall.
 
 Integrity: an epoch's shards must share one schema (else a :class:`LoaderError` naming both); a
 shard whose file is missing or not at its recorded size is quarantined and left out; nothing is
