@@ -57,6 +57,7 @@ from epochcache.sources.base import KEY_COLUMN
 from epochcache.train.dataset import ShardSetDataset
 from epochcache.train.device import pin_batch, pinning_available, to_device
 from epochcache.train.distributed import Peers
+from epochcache.train.ledgerwatch import LedgerWatch
 from epochcache.train.mappings import ShardMaps
 from epochcache.train.order import EpochBatches, batch_count, epoch_order, rank_part
 from epochcache.train.prefetch import BatchThread
@@ -107,11 +108,13 @@ class _Epoch:
 
     def __init__(
         self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], source: BatchThread | PoolEpoch | None,
-        pin: bool, unverified: tuple[ShardRecord, ...] = (), quarantines: int = 0,
+        pin: bool, unverified: tuple[ShardRecord, ...] = (), quarantines: int = 0, version: int | None = None,
     ):
         self.info, self.lease, self.shards, self._source, self._pin = info, lease, shards, source, pin
         self.unverified = unverified  # the epoch's shards not yet checksummed on this host
         self.quarantines = quarantines  # the ledger's count of quarantined shards before its snapshot
+        # the ledger's version (epochcache.train.ledgerwatch) once built, if that count was still the same
+        self.version = version
 
     @property
     def usable(self) -> bool:
@@ -168,6 +171,7 @@ class EpochCachedLoader:
                 "or start `epochcache sync` with it first (the daemon creates the cache)"
             )
         self._ledger = Ledger(self._layout.ledger)
+        self._watch = LedgerWatch(self._ledger.path)  # commits to the ledger, for the check at an epoch's start
         self._peers = Peers.discover(self._layout.root)
         self._owner = f"{socket.gethostname()}:{os.getpid()}"
         self._workers = self._choose_workers()
@@ -344,6 +348,7 @@ class EpochCachedLoader:
             for lease_id in self._held:
                 self._ledger.release(lease_id)
             self._held.clear()
+        self._watch.close()
         self._ledger.close()
 
     def __enter__(self) -> EpochCachedLoader:
@@ -378,7 +383,7 @@ class EpochCachedLoader:
             prepared = future.result()
             # A shard quarantined since its snapshot (the verifier found it damaged; its mapping
             # may still be open here) must not be read by an epoch that starts now: build it again.
-            if prepared.usable and prepared.quarantines == self._quarantines():
+            if prepared.usable and not self._quarantined_since(prepared):
                 return prepared
             self._finish(prepared)  # its worker pool was closed by an epoch left early, or a shard left
         self._drop_prepared()
@@ -408,6 +413,19 @@ class EpochCachedLoader:
     def _quarantines(self) -> int:
         return self._ledger.counters().get("quarantined", 0)
 
+    def _version_unless_quarantined(self, quarantines: int) -> int | None:
+        """The ledger's version now, if no shard was quarantined since ``quarantines`` were counted
+        (counted again after reading it: a quarantine in between changes the version); else None."""
+        version = self._watch.version()
+        return version if version is not None and self._quarantines() == quarantines else None
+
+    def _quarantined_since(self, prepared: _Epoch) -> bool:
+        """Whether a shard may have been quarantined since ``prepared``'s snapshot: not if nothing was
+        committed to the ledger since it was built (one statement), else by counting again."""
+        if prepared.version is not None and self._watch.version() == prepared.version:
+            return False
+        return self._quarantines() != prepared.quarantines
+
     def _prepare(self, epoch: int, ahead: bool, resume: Progress | None) -> _Epoch:
         quarantines = self._quarantines()
         lease, started = self._snapshot(epoch)
@@ -426,8 +444,10 @@ class EpochCachedLoader:
             )
             source = self._batch_source(dataset, sampler)
             unverified = tuple(r for r in records if not r.verified)
+            version = self._version_unless_quarantined(quarantines)
             self._clock.prepare_s = time.monotonic() - started
-            return _Epoch(info, lease, tuple(r.id for r in records), source, self._pin, unverified, quarantines)
+            return _Epoch(info, lease, tuple(r.id for r in records), source, self._pin, unverified, quarantines,
+                          version)
         except BaseException:
             self._release(lease.id)
             raise
