@@ -3,9 +3,12 @@ batch on an empty cache, and PSS over 20 epochs. Prints a table, writes benchmar
 
 The data: ``--size`` bytes of 12 KB samples (a 3x64x64 uint8 image and an int64 label) in a local
 Parquet "remote", synced into a cache by the real daemon. Rates are medians over warm epochs (the
-first epoch of each mode warms the page cache and is left out). Each mode's share of a numpy copy is
-against the copy rate of the same shards measured just before and after that mode (median of 10
-passes), so the drifting load of a shared machine weighs on both sides of the ratio alike.
+first epoch of each mode warms the page cache and is left out). The steady batch interval is the
+median of the intervals within warm epochs; their mean, the time per batch, is printed beside it
+(a trainer faster than the loader takes batches in bursts, and then the median is short). Each
+mode's share of a numpy copy is against the copy rate of the same shards measured just before and
+after that mode (median of 10 passes), so the drifting load of a shared machine weighs on both sides
+of the ratio alike.
 
     python benchmarks/loader.py [--size 250MB] [--epochs 5] [--pss-epochs 20] [--shard-bytes 12MB]
                                 [--cold-shard-bytes 64MB] [--dir DIR]
@@ -115,6 +118,7 @@ def run_mode(cache: Path, workers: int, epochs: int, columns: list[np.ndarray]) 
         "workers": workers, "samples_per_s": rate, "mb_per_s": rate * SAMPLE_BYTES / 1e6,
         "numpy_copy_mb_per_s": sum(c.nbytes for c in columns) / statistics.median(copies) / 1e6,
         "batch_interval_ms": statistics.median(intervals) * 1e3,
+        "batch_interval_mean_ms": statistics.mean(intervals) * 1e3,
         "epoch_gap_ms": statistics.median(gaps) * 1e3, "epoch_gap_max_ms": max(gaps) * 1e3,
     }
 
@@ -204,6 +208,7 @@ def report(rows: int, shards: int, modes: list[dict[str, Any]], first: tuple[flo
             (f"{name}: MB/s (share of numpy)", f"{mode['mb_per_s']:.0f} ({share:.0%})",
              ">= 40% (best mode)" if mode["workers"] == 0 else ">= 8%"),
             (f"{name}: steady batch interval, ms", f"{mode['batch_interval_ms']:.2f}", ""),
+            (f"{name}: mean batch interval, ms", f"{mode['batch_interval_mean_ms']:.2f}", "(time per batch)"),
             (f"{name}: epoch gap median / max, ms", f"{mode['epoch_gap_ms']:.2f} / {mode['epoch_gap_max_ms']:.2f}",
              "<= 1 interval"),
         ]

@@ -9,7 +9,9 @@ that points into the mapping: opening costs no copy and no per-sample object. A 
 (``__getitems__``) gathers each such column with one numpy call, whatever the number of shards it
 touches (:mod:`epochcache.train.rowspace`), into a fresh array that torch wraps without a copy: one
 copy in all, the gather itself. Rows come in the order asked (the sampler's shuffle), less the rows
-of a shard that cannot be read.
+of a shard that cannot be read. ``batches(sampler)`` gives an epoch's batches the same, but locates
+the rows of up to 64 batches at once (one numpy call per column per batch is then left);
+``gather_into`` writes the columns into given arrays instead (a worker's shared-memory slot).
 
 What each column becomes follows from its Arrow type alone (:mod:`epochcache.cache.columns`), so it is the
 same in every batch: string columns (and ``__key__`` when selected) a list of ``str`` per batch;
@@ -27,7 +29,7 @@ workers sends paths, never data.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
 
@@ -40,6 +42,7 @@ from epochcache.cache.columns import is_binary, is_fixed_width, is_string
 from epochcache.errors import LoaderError, ShardCorruptError
 from epochcache.sources.base import KEY_COLUMN
 from epochcache.train.mappings import DEFAULT_MAX_OPEN_SHARDS, ShardMaps
+from epochcache.train.order import EpochBatches
 from epochcache.train.rowspace import RowSpace
 from epochcache.train.shardplan import ShardPlan, open_planned
 
@@ -136,14 +139,54 @@ class ShardSetDataset(Dataset[Batch]):
         """The rows at ``indices`` as one batch, in that order: tensors of shape ``(rows, *item_shape)``;
         ``rows`` is ``len(indices)`` less the rows of unreadable shards. (A batch touching more shards
         than ``max_open_shards`` is gathered in parts of that many shards, and comes out part by part.)"""
+        shard_of, local = self._locate(indices)
+        template = self._reference()
+        parts = [self._gather(shard_of[rows], local[rows]) for rows in self._parts(shard_of)]
+        return {name: _join([part[name] for part in parts], column) for name, column in template.items()}
+
+    def batches(self, sampler: EpochBatches) -> Iterator[Batch]:
+        """``sampler``'s batches, each as ``__getitems__`` gives it, planned run by run
+        (:meth:`EpochBatches.runs`): a run whose shards can all be held at once (every run, when the
+        epoch's shards fit in ``max_open_shards``) is located and given its rows' addresses in one
+        vectorised pass, after which a batch costs one numpy call per fixed-width column; any other
+        run (too many shards, or an unreadable one) is gathered batch by batch.
+
+        Not thread-safe, like the rest of the dataset: while a run is handed out its shards stay
+        held because nothing else reads this dataset meanwhile."""
+        size = sampler.batch_size
+        for run in sampler.runs():
+            shard_of, local = self._locate(run)
+            if self._hold_run(shard_of):
+                yield from self._planned(shard_of, local, size)
+            else:
+                yield from (self.__getitems__(run[start : start + size]) for start in range(0, len(run), size))
+
+    def _locate(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each index's shard number and row within that shard."""
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"index out of range for a dataset of {len(self)} samples")
         shard_of = np.searchsorted(self._offsets, idx, side="right") - 1
-        local = idx - self._offsets[shard_of]
-        template = self._reference()
-        parts = [self._gather(shard_of[rows], local[rows]) for rows in self._parts(shard_of)]
-        return {name: _join([part[name] for part in parts], column) for name, column in template.items()}
+        return shard_of, idx - self._offsets[shard_of]
+
+    def _hold_run(self, shard_of: np.ndarray) -> bool:
+        """Hold every shard of a run if they fit in ``max_open_shards`` together and all can be read."""
+        self._reference()
+        if len(self._paths) > self._max_open and len(np.unique(shard_of)) > self._max_open:
+            return False
+        return bool(self._hold(shard_of).all())
+
+    def _planned(self, shard_of: np.ndarray, local: np.ndarray, size: int) -> Iterator[Batch]:
+        """A held run's batches of ``size`` rows: its positions in every row space computed at once."""
+        columns = [(name, space, space.positions(shard_of, local)) for name, space in self._spaces.items()]
+        others = [name for name in self._reference() if name not in self._spaces]
+        for start in range(0, len(shard_of), size):
+            end = start + size
+            batch = {name: torch.from_numpy(space.rows_at(at[start:end])) for name, space, at in columns}
+            if others:
+                batch.update(self._gather_by_shard(others, shard_of[start:end], local[start:end]))
+                batch = {name: batch[name] for name in self._reference()}  # the columns' order, as always
+            yield batch
 
     def _parts(self, shard_of: np.ndarray) -> list[Any]:
         """Row selections of a batch, each touching at most ``max_open_shards`` shards (one, all rows, mostly)."""
@@ -155,13 +198,36 @@ class ShardSetDataset(Dataset[Batch]):
         groups = [touched[i : i + self._max_open] for i in range(0, len(touched), self._max_open)]
         return [np.flatnonzero(np.isin(shard_of, group)) for group in groups]
 
-    def _gather(self, shard_of: np.ndarray, local: np.ndarray) -> dict[str, Any]:
+    def gather_into(self, indices: Sequence[int] | np.ndarray, into: Mapping[str, np.ndarray]) -> tuple[int, Batch]:
+        """The rows at ``indices`` as ``__getitems__`` gives them, but each fixed-width column written into
+        ``into`` (name -> a C-contiguous array with room for ``len(indices)`` rows: a worker's shared-memory
+        slot) instead of a fresh tensor, by :meth:`RowSpace.rows_into`. Returns how many rows were
+        written (the indices less the rows of unreadable shards) and the other columns."""
+        shard_of, local = self._locate(indices)
+        template = self._reference()
+        parts, rows = [], 0
+        for part in self._parts(shard_of):
+            parts.append(self._gather(shard_of[part], local[part], into, rows))
+            rows += len(parts[-1][next(iter(self._spaces))])
+        return rows, {name: _join([p[name] for p in parts], column)
+                      for name, column in template.items() if name not in self._spaces}
+
+    def _gather(self, shard_of: np.ndarray, local: np.ndarray, into: Mapping[str, np.ndarray] | None = None,
+                at: int = 0) -> dict[str, Any]:
         """Rows ``local`` of shards ``shard_of`` (at most ``max_open_shards`` shards), those of unreadable
-        shards left out: each fixed-width column in one call (epochcache.train.rowspace), others per shard."""
+        shards left out: each fixed-width column in one call (epochcache.train.rowspace), into fresh
+        arrays or, given ``into``, into its arrays from row ``at`` on; others per shard."""
         readable = self._hold(shard_of)
         if not readable.all():
             shard_of, local = shard_of[readable], local[readable]
-        batch: dict[str, Any] = {name: space.gather(shard_of, local) for name, space in self._spaces.items()}
+        batch: dict[str, Any] = {}
+        for name, space in self._spaces.items():
+            positions = space.positions(shard_of, local)
+            if into is None:
+                batch[name] = space.rows_at(positions)
+            else:
+                batch[name] = into[name][at : at + len(positions)]
+                space.rows_into(positions, batch[name])
         others = [name for name in self._reference() if name not in batch]
         if others:
             batch.update(self._gather_by_shard(others, shard_of, local))
@@ -174,7 +240,8 @@ class ShardSetDataset(Dataset[Batch]):
         grouped, rows = shard_of[order], local[order]
         splits = (np.flatnonzero(np.diff(grouped)) + 1).tolist()
         values: dict[str, list[Any]] = {name: [] for name in names}
-        for start, end in zip([0, *splits], [*splits, len(grouped)]):
+        runs = zip([0, *splits], [*splits, len(grouped)]) if len(grouped) else ()  # (no row: all unreadable)
+        for start, end in runs:
             views = self._held[int(grouped[start])]
             for name in names:
                 col = views[name]

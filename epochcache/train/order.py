@@ -79,6 +79,11 @@ def batch_count(samples: int, batch_size: int, drop_last: bool) -> int:
     return samples // batch_size if drop_last else math.ceil(samples / batch_size)
 
 
+# Batches per run (EpochBatches.runs): the first run is one batch, so the epoch's first batch waits
+# for no more planning than its own; each run doubles up to this many.
+_MOST_PER_RUN = 64
+
+
 class EpochBatches:
     """Batch sampler: ``count`` index arrays of up to ``batch_size`` from ``order``, from batch ``start`` on.
 
@@ -98,9 +103,22 @@ class EpochBatches:
     def start(self) -> int:
         return self._start
 
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
     def __len__(self) -> int:
         return max(self._count - self._start, 0)
 
     def __iter__(self) -> Iterator[np.ndarray]:
         for number in range(self._start, self._count):
             yield self._order[number * self._batch_size : (number + 1) * self._batch_size]
+
+    def runs(self) -> Iterator[np.ndarray]:
+        """The same indices as iterating, in runs of whole batches (1, 2, 4, ... up to 64 batches; a run
+        splits into batches every ``batch_size`` indices): a reader plans a run in one vectorised pass."""
+        number, per_run = self._start, 1
+        while number < self._count:
+            end = min(number + per_run, self._count)
+            yield self._order[number * self._batch_size : end * self._batch_size]
+            number, per_run = end, min(2 * per_run, _MOST_PER_RUN)

@@ -27,8 +27,9 @@ _SMOOTHING = 1 / 8
 
 
 class PrepareClock:
-    """Per epoch, :meth:`begin` then :meth:`due` at each batch. ``ahead``: batches the source builds
-    ahead of the consumer (they must be ready too); ``fraction``: a fixed point instead (or None)."""
+    """Per epoch, :meth:`begin` then :meth:`due` at each batch until it says yes. ``ahead``: batches the
+    source builds ahead of the consumer (they must be ready too); ``fraction``: a fixed point instead
+    (or None)."""
 
     def __init__(self, ahead: int, fraction: float | None = None):
         self._ahead, self._fraction = ahead, fraction
@@ -49,6 +50,7 @@ class PrepareClock:
     def begin(self, batches: int) -> None:
         """A new epoch of ``batches`` batches (those a resume skips included) begins."""
         self._batches = batches
+        self._last = None  # the gap since the last epoch's batches is not a batch interval
 
     def due(self, number: int) -> bool:
         """Batch ``number`` is being handed out: whether the next epoch should be prepared now."""

@@ -9,13 +9,14 @@ so pickling it into workers still sends paths, never data.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset, default_collate
 
 from epochcache.train.dataset import Batch, ShardSetDataset
+from epochcache.train.order import EpochBatches
 
 BatchTransform = Callable[[Batch], Any]
 SampleTransform = Callable[[dict[str, Any]], Any]
@@ -36,14 +37,28 @@ class TransformedDataset(Dataset[Any]):
     def __len__(self) -> int:
         return len(self.dataset)
 
+    @property
+    def plain(self) -> bool:
+        """Whether no transform is applied: its batches are the dataset's."""
+        return self._transform is None and self._sample_transform is None
+
     def __getitem__(self, index: int) -> Any:
         """A batch of one: the transforms expect batches, so single samples are not unwrapped."""
         return self.__getitems__([index])
 
     def __getitems__(self, indices: Sequence[int] | np.ndarray) -> Any:
-        batch: Any = self.dataset.__getitems__(indices)
+        return self._apply(self.dataset.__getitems__(indices))
+
+    def batches(self, sampler: EpochBatches) -> Iterator[Any]:
+        """``sampler``'s batches, transformed (see :meth:`ShardSetDataset.batches`)."""
+        planned = self.dataset.batches(sampler)
+        if self.plain:
+            return planned
+        return map(self._apply, planned)
+
+    def _apply(self, batch: Any) -> Any:
         if self._sample_transform is not None:
-            rows = len(indices)
+            rows = len(next(iter(batch.values()), ()))  # (the indices less the rows of unreadable shards)
             batch = default_collate(
                 [self._sample_transform({name: value[i] for name, value in batch.items()}) for i in range(rows)]
             )

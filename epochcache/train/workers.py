@@ -91,9 +91,14 @@ class _WorkerData(Dataset[Any]):
 
     def __getitems__(self, item: Item) -> Any:
         tag, serial, indices = item
-        batch = self._epoch(tag).__getitems__(indices)
+        data = self._epoch(tag)
         if self._ring is None:
-            return batch
+            return data.__getitems__(indices)
+        slot = self._ring.claim(serial) if data.plain else None
+        if slot is not None:  # straight from the shards into the slot: one copy, without the GIL
+            rows, others = data.dataset.gather_into(indices, slot)
+            return self._ring.sent(serial, rows, others)
+        batch = data.__getitems__(indices)
         return self._ring.send(serial, batch) or batch
 
     def _epoch(self, tag: int) -> TransformedDataset:

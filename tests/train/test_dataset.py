@@ -19,7 +19,7 @@ from epochcache.errors import LoaderError
 from epochcache.sources.base import KEY_COLUMN
 from epochcache.train.dataset import ShardSetDataset
 from epochcache.train.mappings import ShardMaps
-from epochcache.train.order import epoch_order
+from epochcache.train.order import EpochBatches, batch_count, epoch_order
 
 
 def _shards(tmp_path: Path, sizes: list[int]) -> tuple[list[Path], list[int]]:
@@ -236,3 +236,54 @@ def test_an_epoch_over_more_shards_than_open_maps_maps_each_about_once_in_window
     # Each shard once (a window of 10 fits in 20 open maps), and shard 0 for the batch template first.
     assert opened["windowed"] <= 201, opened
     assert opened["plain"] > 3 * 200, opened  # a shuffle over all 200 maps most shards at every touch
+
+
+def _same_batches(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert list(a) == list(b), "the columns, in the schema's order"
+        for name in b:
+            assert torch.equal(a[name], b[name]) if isinstance(b[name], torch.Tensor) else a[name] == b[name]
+
+
+@pytest.mark.parametrize("max_open", [64, 3, 1])
+def test_planned_batches_are_the_batches_getitems_gives(tmp_path: Path, max_open: int) -> None:
+    # max_open 3: runs of up to 3 shards are planned (held together, the shards of earlier runs
+    # dropped), longer ones gathered batch by batch; 1: every batch touching 2 shards goes in parts
+    paths, rows = _shards(tmp_path, [4, 4, 4, 4, 4, 4, 9])
+    for order in (np.arange(33), epoch_order(33, 0, 0, True)):
+        sampler = EpochBatches(order, 4, batch_count(33, 4, drop_last=False), start=1)
+        planned = list(ShardSetDataset(paths, rows, max_open_shards=max_open).batches(sampler))
+        reference = ShardSetDataset(paths, rows, max_open_shards=max_open)
+        _same_batches(planned, [reference.__getitems__(indices) for indices in sampler])
+        assert sorted(torch.cat([b["id"] for b in planned]).tolist()) == sorted(order[4:].tolist())
+        for batch, indices in zip(planned, sampler):
+            _check_rows(batch, indices)
+
+
+def test_planned_batches_leave_out_an_unreadable_shard_and_keep_other_columns(tmp_path: Path) -> None:
+    paths, rows = _shards(tmp_path, [5, 6, 7])
+    paths[1].write_bytes(paths[1].read_bytes()[:100])
+    sampler = EpochBatches(np.arange(18), 4, batch_count(18, 4, drop_last=False))
+    columns = ["id", KEY_COLUMN, "image"]  # a string column beside the tensors
+    planned = list(ShardSetDataset(paths, rows, columns=columns).batches(sampler))
+    _same_batches(planned, [ShardSetDataset(paths, rows, columns=columns).__getitems__(i) for i in sampler])
+    assert torch.cat([b["id"] for b in planned]).tolist() == [*range(5), *range(11, 18)]
+    assert [k for b in planned for k in b[KEY_COLUMN]] == [str(i) for i in [*range(5), *range(11, 18)]]
+
+
+@pytest.mark.parametrize("max_open", [64, 1])
+def test_gather_into_writes_the_rows_getitems_gives(tmp_path: Path, max_open: int) -> None:
+    # max_open 1: a batch over 4 shards is gathered in 4 parts, one after the other (one of them all
+    # unreadable rows, which failed in the string column's gather before)
+    paths, rows = _shards(tmp_path, [5, 6, 7, 4])
+    paths[1].write_bytes(paths[1].read_bytes()[:100])  # unreadable: its rows are left out
+    wanted = np.array([17, 2, 8, 11, 0, 20, 13])
+    columns = [KEY_COLUMN, "image", "id"]
+    want = ShardSetDataset(paths, rows, columns=columns, max_open_shards=max_open).__getitems__(wanted)
+    into = {"image": np.full((8, *ITEM_SHAPE), 7, np.uint8), "id": np.full(8, -1, np.int64)}
+    written, others = ShardSetDataset(paths, rows, columns=columns, max_open_shards=max_open).gather_into(wanted, into)
+    assert written == 6 and others == {KEY_COLUMN: want[KEY_COLUMN]}
+    assert into["id"].tolist() == [*want["id"].tolist(), -1, -1]  # (in parts, rows come part by part)
+    assert sorted(want["id"].tolist()) == [0, 2, 11, 13, 17, 20]
+    assert np.array_equal(into["image"][:6], want["image"].numpy()) and (into["image"][6:] == 7).all()

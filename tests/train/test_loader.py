@@ -14,6 +14,7 @@ from conftest import DaemonThread, wait_for, write_parquet_dataset
 from epochcache import CacheEmptyError, ConfigError, EpochCachedLoader, Ledger, SyncDaemon
 from epochcache.cache.layout import CacheLayout
 from epochcache.cache.lockfile import exclusive
+from epochcache.cache.quarantine import quarantine_shard
 from epochcache.cache.shards import open_shard
 from epochcache.config import Config
 from epochcache.errors import LoaderError
@@ -84,11 +85,28 @@ def test_lease_held_during_epoch_and_released_after(synced: Config) -> None:
     assert finished in [lease["id"] for lease in ledger.leases()]
     epoch = iter(loader)
     next(epoch)
-    # once the next epoch's first batch is out, the finished epoch's lease is released
+    assert finished in [lease["id"] for lease in ledger.leases()]  # kept while the first batch is in use
+    next(epoch)
+    # once the trainer comes back from the next epoch's first batch, the finished epoch's lease is released
     wait_for(lambda: [lease["id"] for lease in ledger.leases()] == [next_epoch], timeout=10)
     epoch.close()
     loader.close()
     assert ledger.leases() == []
+    ledger.close()
+
+
+def test_a_shard_quarantined_after_the_next_epoch_was_prepared_is_not_read_by_it(synced: Config) -> None:
+    layout = CacheLayout(Path(synced.cache.dir))
+    ledger = Ledger(layout.ledger)
+    with EpochCachedLoader(synced.cache.dir, batch_size=32, shuffle=False, prepare_next_at=0.1) as loader:
+        assert sorted(_epoch_ids(loader)) == list(range(ROWS))  # every shard mapped, kept open for the next
+        wait_for(lambda: len(ledger.leases()) == 2, timeout=10)  # the next epoch's snapshot is taken
+        bad = ledger.shards()[0]
+        bad_ids = set(open_shard(layout.shards / bad.filename).column("id").to_pylist())
+        assert quarantine_shard(layout, ledger, bad, "found damaged after the next epoch was prepared")
+        second = _epoch_ids(loader)
+        assert sorted(second) == sorted(set(range(ROWS)) - bad_ids) and bad_ids
+        assert not loader.last_epoch.prepared_ahead, "built again at its start"
     ledger.close()
 
 

@@ -75,3 +75,13 @@ def test_an_epoch_within_the_window_is_the_plain_permutation() -> None:
     assert np.array_equal(epoch_order(15, 1, 0, True, shard_rows=rows, window=3), epoch_order(15, 1, 0, True))
     long = epoch_order(15, 1, 0, True, length=40, shard_rows=[5] * 3, window=2)
     assert len(long) == 40 and np.bincount(long, minlength=15).min() == 2, "each round uses every sample"
+
+
+def test_runs_hold_the_batches_in_runs_of_whole_batches_that_double() -> None:
+    order = np.arange(1000)
+    sampler = EpochBatches(order, 3, count=300, start=2)
+    runs = list(sampler.runs())
+    assert [len(r) for r in runs[:8]] == [3, 6, 12, 24, 48, 96, 192, 192], "1, 2, 4 ... 64 batches"
+    assert np.array_equal(np.concatenate(runs), np.concatenate(list(sampler))), "the same indices, in order"
+    short_last = EpochBatches(np.arange(10), 4, count=3)
+    assert [r.tolist() for r in short_last.runs()] == [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9]]
