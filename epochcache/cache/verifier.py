@@ -29,10 +29,14 @@ _STOP = None
 
 
 class BackgroundVerifier:
-    """One thread checksumming submitted records in order, into ``ledger`` and ``layout``."""
+    """One thread checksumming submitted records in order, into the ledger and shards of ``layout``.
 
-    def __init__(self, layout: CacheLayout, ledger: Ledger):
-        self._layout, self._ledger = layout, ledger
+    The thread writes through a ledger connection of its own: its quarantines are then commits by
+    another connection to the loader's ledger, which :meth:`Ledger.version` shows (the loader's check
+    that no shard left since an epoch was prepared rests on that)."""
+
+    def __init__(self, layout: CacheLayout):
+        self._layout = layout
         self._queue: queue.Queue[ShardRecord | None] = queue.Queue()
         self._seen: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="epochcache-verify", daemon=True)
@@ -57,15 +61,19 @@ class BackgroundVerifier:
         self._thread.join()
 
     def _run(self) -> None:
-        while (record := self._queue.get()) is not _STOP:
-            self._check(record)
+        ledger = Ledger(self._layout.ledger)
+        try:
+            while (record := self._queue.get()) is not _STOP:
+                self._check(ledger, record)
+        finally:
+            ledger.close()
 
-    def _check(self, record: ShardRecord) -> None:
+    def _check(self, ledger: Ledger, record: ShardRecord) -> None:
         try:
             verify_shard(self._layout.shards / record.filename, record.checksum)
         except FileNotFoundError:
             return  # evicted or quarantined meanwhile: nothing left to check
         except ShardCorruptError as exc:
-            quarantine_shard(self._layout, self._ledger, record, f"failed verification: {exc}")
+            quarantine_shard(self._layout, ledger, record, f"failed verification: {exc}")
             return
-        self._ledger.mark_verified([record.id])
+        ledger.mark_verified([record.id])

@@ -57,7 +57,6 @@ from epochcache.sources.base import KEY_COLUMN
 from epochcache.train.dataset import ShardSetDataset
 from epochcache.train.device import pin_batch, pinning_available, to_device
 from epochcache.train.distributed import Peers
-from epochcache.train.ledgerwatch import LedgerWatch
 from epochcache.train.mappings import ShardMaps
 from epochcache.train.order import EpochBatches, batch_count, epoch_order, rank_part
 from epochcache.train.prefetch import BatchThread
@@ -110,7 +109,8 @@ class _Epoch:
         self.info, self.lease, self.shards, self._source, self._pin = info, lease, shards, source, pin
         self.unverified = unverified  # the epoch's shards not yet checksummed on this host
         self.quarantines = quarantines  # the ledger's count of quarantined shards before its snapshot
-        # the ledger's version (epochcache.train.ledgerwatch) once built, if that count was still the same
+        # the ledger's version (Ledger.version: it changes with other connections' commits, quarantines
+        # among them) once built, if that count was still the same
         self.version = version
 
     @property
@@ -168,7 +168,6 @@ class EpochCachedLoader:
                 "or start `epochcache sync` with it first (the daemon creates the cache)"
             )
         self._ledger = Ledger(self._layout.ledger)
-        self._watch = LedgerWatch(self._ledger.path)  # commits to the ledger, for the check at an epoch's start
         self._peers = Peers.discover(self._layout.root)
         self._owner = f"{socket.gethostname()}:{os.getpid()}"
         self._workers = self._choose_workers()
@@ -185,7 +184,7 @@ class EpochCachedLoader:
         self._retiring: _Epoch | None = None  # the last epoch, done but its batch source not yet stopped
         self._present_ids: set[str] = set()  # shards whose file this loader found at its size
         # one checksumming thread per host (local rank 0), started on each epoch's first batch
-        self._verifier = BackgroundVerifier(self._layout, self._ledger) if self._peers.local_rank == 0 else None
+        self._verifier = BackgroundVerifier(self._layout) if self._peers.local_rank == 0 else None
         # shard mappings the batch thread reuses from epoch to epoch, at most max_open_shards of them
         self._maps: ShardMaps[Any] = ShardMaps(self.config.max_open_shards)
         self._held: set[str] = set()
@@ -345,7 +344,6 @@ class EpochCachedLoader:
             for lease_id in self._held:
                 self._ledger.release(lease_id)
             self._held.clear()
-        self._watch.close()
         self._ledger.close()
 
     def __enter__(self) -> EpochCachedLoader:
@@ -413,13 +411,14 @@ class EpochCachedLoader:
     def _version_unless_quarantined(self, quarantines: int) -> int | None:
         """The ledger's version now, if no shard was quarantined since ``quarantines`` were counted
         (counted again after reading it: a quarantine in between changes the version); else None."""
-        version = self._watch.version()
-        return version if version is not None and self._quarantines() == quarantines else None
+        # every quarantine is another connection's commit (the verifier's, a worker's, the daemon's)
+        version = self._ledger.version()
+        return version if self._quarantines() == quarantines else None
 
     def _quarantined_since(self, prepared: _Epoch) -> bool:
         """Whether a shard may have been quarantined since ``prepared``'s snapshot: not if nothing was
         committed to the ledger since it was built (one statement), else by counting again."""
-        if prepared.version is not None and self._watch.version() == prepared.version:
+        if prepared.version is not None and self._ledger.version() == prepared.version:
             return False
         return self._quarantines() != prepared.quarantines
 

@@ -577,3 +577,16 @@ def test_each_epoch_run_is_recorded_with_distinct_samples_at_unit_level(ledger: 
     assert [e["trained"] for e in epochs] == [100, 160, 1160]
     assert [e["distinct_trained"] for e in epochs] == [100, 140, 140], "a#1 is not distinct twice"
     assert epochs[0]["fetched_bytes"] == 500 and epochs[1]["cache_bytes"] == S and ledger.epochs()[0]["n"] == 3
+
+
+def test_the_version_changes_with_another_connections_commit_only(tmp_path: Path) -> None:
+    ledger, other = Ledger(tmp_path / "ledger"), Ledger(tmp_path / "ledger")
+    first = ledger.version()
+    ledger.set_cursor({"pass": 1})  # its own commit
+    assert ledger.version() == first
+    other.set_cursor({"pass": 2})
+    second = ledger.version()
+    assert second != first
+    assert ledger.version() == second
+    ledger.close()
+    other.close()
