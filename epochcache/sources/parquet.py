@@ -16,14 +16,12 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.parquet import AlreadyBufferedFile
 
 from epochcache.errors import CorruptObjectError, SourceError
-from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
+from epochcache.sources.base import RemoteObject, Unit
 from epochcache.sources.remote import FileSource, blank_image
 
 _SUFFIXES = (".parquet", ".parq")
@@ -80,9 +78,7 @@ class ParquetSource(FileSource):
             raise CorruptObjectError(f"{unit.obj.path} row group {unit.index} ({unit.key}) is unreadable: "
                                      f"{' '.join(str(exc).split())}") from exc
         first = sum(metadata.row_group(i).num_rows for i in range(unit.index))
-        rows = pa.array(np.arange(first, first + table.num_rows, dtype=np.int64))
-        keys = pc.binary_join_element_wise(f"{unit.obj.path}:", pc.cast(rows, pa.string()), "")
-        return table.append_column(KEY_COLUMN, keys)
+        return self._keyed(table, f"{unit.obj.path}:", first)
 
     def _read_metadata(self, obj: RemoteObject) -> pq.FileMetaData:
         tail_start = max(0, obj.size - _TAIL_BYTES)

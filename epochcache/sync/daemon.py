@@ -58,6 +58,7 @@ from epochcache.sync.assembly import Building, screen
 from epochcache.sync.claims import Claims
 from epochcache.sync.identity import DatasetBinding, resume_position
 from epochcache.sync.intake import Intake, Throttle
+from epochcache.sync.memory import frozen_heap
 from epochcache.sync.mixing import MixCursor
 from epochcache.sync.notes import note, until_written
 from epochcache.sync.report import StopReason, SyncReport
@@ -108,7 +109,7 @@ class SyncDaemon:
         Every thread it started has ended when it returns or raises.
         """
         stop = stop or threading.Event()
-        with exclusive(self.layout.lock), _stop_on_signals(stop):
+        with exclusive(self.layout.lock), _stop_on_signals(stop), frozen_heap():
             ledger = Ledger(self.layout.ledger, self._connect)
             try:
                 if until_written(lambda: reconcile(self.layout, ledger), stop, "start") is None:

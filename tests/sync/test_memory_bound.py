@@ -3,19 +3,25 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 from conftest import write_parquet_dataset
 
 import epochcache.sync.daemon as daemon_module
 from epochcache import SyncDaemon
 from epochcache.config import Config
+from epochcache.sources import RemoteObject, Unit
+from epochcache.sync.assembly import Building
 from epochcache.sync.daemon import StopReason
+from epochcache.sync.mixing import MixCursor
+from epochcache.sync.sampler import Cursor
 
 CONCURRENCY = 3
 FILES, GROUPS, ROWS_PER_GROUP = 4, 6, 16
@@ -61,3 +67,38 @@ def test_units_held_never_exceed_the_concurrency_while_the_head_is_slow(
 
     assert report.reason is StopReason.EXHAUSTED and report.units_published == FILES * GROUPS
     assert counts["most"] == CONCURRENCY, f"held at most {counts['most']} units, the window allows {CONCURRENCY}"
+
+
+
+def test_a_run_leaves_the_objects_it_found_out_of_collection_while_it_lasts(
+    tmp_path: Path, make_config: Callable[..., Config]
+) -> None:
+    """A collection in a daemon forked from a trainer would copy the trainer's heap page by page."""
+    root = tmp_path / "remote"
+    write_parquet_dataset(fsspec.filesystem("file"), str(root), 2, 2 * ROWS_PER_GROUP, ROWS_PER_GROUP)
+    config = make_config(str(root), **{"cache.max_bytes": "50MB", "cache.shard_bytes": "200KB"})
+    frozen_before = gc.get_freeze_count()
+    frozen_during: list[int] = []
+
+    report = SyncDaemon(config, progress=False,
+                        on_publish=lambda record: frozen_during.append(gc.get_freeze_count())).run(once=True)
+
+    assert report.units_published == 4 and frozen_during
+    assert min(frozen_during) > frozen_before, "objects alive before the run were not frozen during it"
+    assert gc.get_freeze_count() == frozen_before, "the run left objects frozen after it ended"
+
+
+def test_a_shards_rows_are_copied_into_the_system_allocator_not_the_default_pool() -> None:
+    """The default pool (mimalloc) keeps what is freed: a shard's worth there stays in the daemon's PSS."""
+    units = [pa.table({"x": pa.array(np.arange(start, start + 50_000, dtype=np.int64))}) for start in (0, 50_000)]
+    building = Building(MixCursor({"": Cursor()}, {"": 0}))
+    for number, table in enumerate(units):
+        building.add(Unit(RemoteObject("o", 1), number, table.num_rows, None, table.nbytes), table)
+    system, default = pa.system_memory_pool(), pa.default_memory_pool()
+    system_before, default_before = system.bytes_allocated(), default.bytes_allocated()
+
+    rows = building.rows()
+
+    assert rows.column("x").num_chunks == 1 and rows.column("x").to_numpy().tolist() == list(range(100_000))
+    assert system.bytes_allocated() - system_before >= rows.nbytes
+    assert default.bytes_allocated() - default_before < rows.nbytes
