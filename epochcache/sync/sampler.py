@@ -6,7 +6,8 @@ a pass. A node's objects are walked in *groups* of ``mix`` consecutive objects: 
 object are permuted by ``(seed, p, object)`` and the group's objects are interleaved round-robin, so
 consecutive units (and so every shard) come from up to ``mix`` different objects, never one
 contiguous slice of the remote. Only the group being walked has its metadata (Parquet footers) read,
-all at once, so nothing beyond object names is listed up front.
+all asked for at once and walked as they arrive, so nothing beyond object names is listed up front
+and the group's first reads need only its first two footers.
 
 Each unit appears exactly once per pass (without replacement); each pass has a fresh order, unless
 ``same_order`` (row slices, ``sampler.row_fraction`` < 1): then every pass walks pass 0's order, so
@@ -19,6 +20,7 @@ published shard ended: it neither repeats nor skips units.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +30,9 @@ import numpy as np
 from epochcache.seeding import permutation
 from epochcache.sources.base import RemoteObject, Unit
 
-# Reads the units of several objects at once (their footers, concurrently); same order as given.
-UnitsOf = Callable[[Sequence[RemoteObject]], list[Sequence[Unit]]]
+# Reads the units of several objects at once (their footers, concurrently); same order as given. The
+# answer may be lazy: each object's units are asked for only when the walk reaches the object.
+UnitsOf = Callable[[Sequence[RemoteObject]], Sequence[Sequence[Unit]]]
 
 
 @dataclass(frozen=True)
@@ -84,24 +87,42 @@ class Sampler:
         return 0 if self._same_order else pass_
 
     def walk(self, cursor: Cursor) -> Iterator[tuple[Unit, Cursor]]:
-        """Yield ``(unit, cursor after it)`` from ``cursor`` to the end of ``cursor.pass_``."""
+        """Yield ``(unit, cursor after it)`` from ``cursor`` to the end of ``cursor.pass_``.
+
+        A group's sequence is built as it is walked, one unit ahead (to tell the group's last one):
+        its first unit needs the metadata of the group's first two objects, not of all of them, so
+        reads start while the rest of the group's footers arrive."""
         mine = self.node_objects(cursor.pass_)
         for group in range(cursor.group, -(-len(mine) // self._mix)):
             members = mine[group * self._mix : (group + 1) * self._mix]
-            sequence = self._interleave(cursor.pass_, members)
             first = cursor.step if group == cursor.group else 0
-            for step in range(first, len(sequence)):
-                after = Cursor(cursor.pass_, group, step + 1)
-                if step + 1 == len(sequence):
-                    after = Cursor(cursor.pass_, group + 1)
-                yield sequence[step], after
+            steps = enumerate(itertools.islice(self._interleave(cursor.pass_, members), first, None), first)
+            held = next(steps, None)
+            while held is not None:
+                following = next(steps, None)
+                step, unit = held
+                yield unit, Cursor(cursor.pass_, group, step + 1) if following else Cursor(cursor.pass_, group + 1)
+                held = following
 
-    def _interleave(self, pass_: int, members: np.ndarray) -> list[Unit]:
-        """The units of ``members``, each object's permuted, taken round-robin across objects."""
+    def _interleave(self, pass_: int, members: np.ndarray) -> Iterator[Unit]:
+        """The units of ``members``, each object's permuted, taken round-robin across objects; an
+        object's units are asked of ``units_of``'s answer only when the sequence reaches it."""
         per_object = self._units_of([self._objects[int(i)] for i in members])
-        shuffled = [
-            [units[int(j)] for j in permutation(len(units), self._seed, self._order(pass_), int(index))]
-            for index, units in zip(members, per_object)
-        ]
-        longest = max((len(units) for units in shuffled), default=0)
-        return [units[k] for k in range(longest) for units in shuffled if k < len(units)]
+        shuffled: dict[int, list[Unit]] = {}
+
+        def permuted(position: int) -> list[Unit]:
+            if position not in shuffled:
+                units, index = per_object[position], int(members[position])
+                order = permutation(len(units), self._seed, self._order(pass_), index)
+                shuffled[position] = [units[int(j)] for j in order]
+            return shuffled[position]
+
+        for round_ in itertools.count():
+            taken = False
+            for position in range(len(members)):
+                units = permuted(position)
+                if round_ < len(units):
+                    taken = True
+                    yield units[round_]
+            if not taken:
+                return

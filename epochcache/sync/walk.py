@@ -12,8 +12,9 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import overload
 
 from epochcache.cache.ledger import Ledger
 from epochcache.config import Config
@@ -154,17 +155,19 @@ class Walk:
                       self.stop, "keeping the cached size per listed byte")
         return ratio
 
-    def _units_of(self, stream: Stream, pass_: int, objects: Sequence[RemoteObject]) -> list[Sequence[Unit]]:
-        """The units of ``objects``, their metadata read concurrently. An object whose metadata keeps
-        failing (or is gone, or damaged) counts as empty for this pass and is recorded, so a restart
-        walks the same order; it is retried at the end of the pass."""
+    def _units_of(self, stream: Stream, pass_: int, objects: Sequence[RemoteObject]) -> Sequence[Sequence[Unit]]:
+        """The units of ``objects``, their metadata read concurrently, each object's waited for when
+        the sampler reaches it (:class:`_Arriving`). An object whose metadata keeps failing (or is
+        gone, or damaged) counts as empty for this pass and is recorded, so a restart walks the same
+        order; it is retried at the end of the pass."""
         skipped = self.skips.skipped_objects(pass_)
         futures = [
             None if f"{obj.path}#*" in skipped
             else self.pool.submit(self.retrier.call, stream.source.units, obj, what=f"metadata of {obj.path}")
             for obj in objects
         ]
-        return [self._units_or_skip(stream, pass_, obj, future) for obj, future in zip(objects, futures)]
+        return _Arriving([functools.partial(self._units_or_skip, stream, pass_, obj, future)
+                          for obj, future in zip(objects, futures)])
 
     def _units_or_skip(self, stream: Stream, pass_: int, obj: RemoteObject,
                        future: Future[Sequence[Unit]] | None) -> Sequence[Unit]:
@@ -206,3 +209,28 @@ class Walk:
         listing = store_listing(self.ledger, stream.source.scan_objects(), header, stream.name)
         log.info("listed %d objects under %s for pass %d", len(listing), stream.source.url, pass_)
         return listing
+
+
+class _Arriving(Sequence[Sequence[Unit]]):
+    """Objects' units, each taken from its read the first time it is asked for (in the sampler's
+    order: an object's skip is recorded before any unit after it in the walk is handed out)."""
+
+    def __init__(self, reads: list[Callable[[], Sequence[Unit]]]) -> None:
+        self._reads = reads
+        self._done: dict[int, Sequence[Unit]] = {}
+
+    def __len__(self) -> int:
+        return len(self._reads)
+
+    @overload
+    def __getitem__(self, index: int) -> Sequence[Unit]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Sequence[Unit]]: ...
+
+    def __getitem__(self, index: int | slice) -> Sequence[Unit] | Sequence[Sequence[Unit]]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index not in self._done:
+            self._done[index] = self._reads[index]()
+        return self._done[index]
