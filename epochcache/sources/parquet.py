@@ -22,6 +22,7 @@ from fsspec.parquet import AlreadyBufferedFile
 
 from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import RemoteObject, Unit
+from epochcache.sources.pool import release_unused
 from epochcache.sources.remote import FileSource, blank_image
 
 _SUFFIXES = (".parquet", ".parq")
@@ -57,6 +58,9 @@ class ParquetSource(FileSource):
     def read(self, unit: Unit) -> pa.Table:
         """The row group's rows; a damaged page (a CRC mismatch where the file has page checksums, a
         decompression or decoding failure) raises :class:`CorruptObjectError` naming the unit."""
+        # Decodes allocate from the default pool (mimalloc), which keeps what a thread allocated, and
+        # the daemon has since let go, for that thread: handed back here, before this thread's next.
+        release_unused()
         metadata = self._metadata(unit.obj)
         runs = self._byte_ranges(metadata, unit)
         # The file's bytes up to the unit's last one, at their offsets, in an anonymous mapping:

@@ -15,6 +15,6 @@ ROWS_POOL = pa.system_memory_pool()
 
 
 def release_unused() -> None:
-    """Hand what the default pool keeps for reuse (Parquet decodes allocate there) back to the OS,
-    as far as it can from the calling thread."""
+    """Hand what the default pool keeps for reuse (Parquet decodes allocate there) back to the OS:
+    with mimalloc, what the calling thread allocated and has been freed since (by any thread)."""
     pa.default_memory_pool().release_unused()
