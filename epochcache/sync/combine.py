@@ -1,17 +1,20 @@
 """A shard's rows as one chunk per column, copied from its units' tables one unit at a time.
 
 In: the units' tables, in order (the list is emptied). Out: one table, one chunk per column, equal
-to ``pa.concat_tables(tables).combine_chunks()``, in ``pool``. Invariant: a unit's table is let go
-as soon as its rows are copied, so the units and the shard are not both held whole: a column of
-fixed-size values without nulls (numbers, fixed-size binary, fixed-size lists and tensors of them:
-nearly all the bytes of a training set) is copied into one buffer of the shard's size, whose pages
-are backed only as they are written. Other columns are concatenated at the end, as before.
+to ``pa.concat_tables(tables).combine_chunks()``. Invariant: a unit's table is let go as soon as its
+rows are copied, so the units and the shard are not both held whole: a column of fixed-size values
+without nulls (numbers, fixed-size binary, fixed-size lists and tensors of them: nearly all the bytes
+of a training set) is copied into an anonymous mapping of the shard's size (:func:`blank_image`),
+backed only as it is written and unmapped once the shard is let go. Other columns are concatenated
+at the end, in ``pool``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+
+from epochcache.sources.remote import blank_image
 
 
 def combine(tables: list[pa.Table], pool: pa.MemoryPool) -> pa.Table:
@@ -24,7 +27,7 @@ def combine(tables: list[pa.Table], pool: pa.MemoryPool) -> pa.Table:
     for index, field in enumerate(schema):
         width = _row_bytes(field.type)
         flat = width is not None and all(_is_flat(chunk) for table in tables for chunk in table.column(index).chunks)
-        sinks.append(_Fixed(field.type, rows, width, pool) if flat and width is not None else _Chunks(pool))
+        sinks.append(_Fixed(field.type, rows, width) if flat and width is not None else _Chunks(pool))
     while tables:
         _take(tables.pop(0), sinks)
     return pa.Table.from_arrays([sink.finish() for sink in sinks], schema=schema)
@@ -41,10 +44,10 @@ def _take(table: pa.Table, sinks: list[_Fixed | _Chunks]) -> None:
 class _Fixed:
     """One column of fixed-size values, copied chunk by chunk into a buffer of all its rows."""
 
-    def __init__(self, arrow_type: pa.DataType, rows: int, width: int, pool: pa.MemoryPool) -> None:
+    def __init__(self, arrow_type: pa.DataType, rows: int, width: int) -> None:
         self.type, self.rows = arrow_type, rows
-        self.buffer = pa.allocate_buffer(rows * width, memory_pool=pool)
-        self.bytes = np.frombuffer(self.buffer, np.uint8) if rows * width else np.empty(0, np.uint8)
+        # An anonymous mapping of its own (unmapped once the shard is written), faulted in 2 MiB pages
+        self.bytes = np.frombuffer(blank_image(rows * width), np.uint8)[: rows * width]
         self.filled = 0
 
     def put(self, chunk: pa.Array) -> None:
@@ -53,7 +56,7 @@ class _Fixed:
         self.filled += len(data)
 
     def finish(self) -> pa.Array:
-        return _rebuild(self.type, self.rows, self.buffer)
+        return _rebuild(self.type, self.rows, pa.py_buffer(self.bytes))
 
 
 class _Chunks:
