@@ -1,10 +1,11 @@
 """The Arrow memory pool the daemon's own copies of rows come from, and the default pool's release.
 
-Rows the daemon copies (each row's key, a shard's rows: ``cache.shard_bytes`` in one block) come
-from the system allocator, where a block that large is a mapping of its own, unmapped when freed.
-Arrow's default pool (mimalloc) keeps freed segments for reuse, and gives every thread that
-allocates its own: with THP, 2 MiB per fetch thread for a few KiB of keys, and the high-water mark
-of every shard so far. Invariant: which pool is used changes only when memory goes back to the OS.
+Rows the daemon copies (each row's key; a shard's columns other than fixed-size ones, which
+:mod:`epochcache.sync.combine` copies into mappings of their own) come from the system allocator,
+which unmaps a large block when it is freed. Arrow's default pool (mimalloc) keeps freed segments
+for reuse, and gives every thread that allocates its own: with THP, 2 MiB per fetch thread for a
+few KiB of keys, and the high-water mark of every shard so far. Invariant: which pool is used
+changes only when memory goes back to the OS.
 """
 
 from __future__ import annotations
