@@ -11,6 +11,9 @@ the same run against the same server, measure:
 
 MB/s counts the same remote bytes (the row groups' spans) in both, 10**6 bytes per MB. Ceiling and
 ingest are measured in interleaved rounds and the medians reported, as other load on the machine varies.
+Each also gets the CPU seconds it cost this process (client) and the server (from ``/proc``): on a
+machine whose cores are all busy, MB/s follows the CPU both sides spend per byte, and on moto every
+GET costs the server a read of the whole object, whatever its range (a footer's as much as a row group's).
 
 Then, once per remote format (the same samples as Parquet and as Arrow IPC, one record batch per row
 group), ``epochcache sync --once`` runs as a process of its own with 64 MB shards: its peak PSS
@@ -77,10 +80,18 @@ def run(endpoint: str, args: argparse.Namespace) -> dict[str, object]:
     remote_bytes = sum(end - start for _, start, end in spans)
     arrow_from_parquet(fs, "bench/data", "bench/arrow")
     ceilings, ingests, report = [], [], None
+    ceiling_cpu: list[tuple[float, float]] = []
+    ingest_cpu: list[tuple[float, float]] = []
+    server = _server_pid()
     for _ in range(args.rounds):  # interleaved, so load from elsewhere on the machine hits both alike
+        before = _cpu(server)
         ceilings.append(raw_gets(fs, spans, args.concurrency))
+        middle = _cpu(server)
         seconds, report = ingest_once(options, remote_bytes, args.concurrency, args.cache_parent)
         ingests.append(seconds)
+        after = _cpu(server)
+        ceiling_cpu.append((middle[0] - before[0], middle[1] - before[1]))
+        ingest_cpu.append((after[0] - middle[0], after[1] - middle[1]))
     ceiling_s, ingest_s = statistics.median(ceilings), statistics.median(ingests)
     ceiling, ingest = remote_bytes / ceiling_s / 1e6, remote_bytes / ingest_s / 1e6
     return {
@@ -88,12 +99,36 @@ def run(endpoint: str, args: argparse.Namespace) -> dict[str, object]:
         "rounds": args.rounds, "ingest_mb_s": round(ingest, 1), "ceiling_mb_s": round(ceiling, 1),
         "ratio": round(ingest / ceiling, 3), "ingest_s": round(ingest_s, 2), "ceiling_s": round(ceiling_s, 2),
         "ingest_s_rounds": [round(s, 2) for s in ingests], "ceiling_s_rounds": [round(s, 2) for s in ceilings],
+        "ceiling_cpu_s": _median_cpu(ceiling_cpu), "ingest_cpu_s": _median_cpu(ingest_cpu),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "cache_parent": args.cache_parent or tempfile.gettempdir(),
         "units_published": report.units_published, "samples_published": report.samples_published,
         "daemon_process": {kind: daemon_process(options, kind, url, remote_bytes, args.concurrency, args.cache_parent)
                            for kind, url in (("parquet", "s3://bench/data"), ("arrow", "s3://bench/arrow"))},
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
     }
+
+
+def _server_pid() -> int:
+    """The moto server: this process's only child while nothing else runs."""
+    children = [int(pid) for task in Path("/proc/self/task").iterdir()
+                for pid in (task / "children").read_text().split()]
+    if len(children) != 1:
+        raise RuntimeError(f"expected the moto server as the only child process, found {children}")
+    return children[0]
+
+
+def _cpu(server: int) -> tuple[float, float]:
+    """CPU seconds (user + system) used so far by this process and by ``server``."""
+    own = os.times()
+    fields = Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return own.user + own.system, (int(fields[11]) + int(fields[12])) / ticks
+
+
+def _median_cpu(rounds: list[tuple[float, float]]) -> dict[str, float]:
+    return {"client": round(statistics.median(c for c, _ in rounds), 2),
+            "server": round(statistics.median(s for _, s in rounds), 2)}
 
 
 def ingest_once(
@@ -214,6 +249,9 @@ def print_table(result: dict[str, object]) -> None:
             ("ceiling: raw concurrent GETs (MB/s)", f"{result['ceiling_mb_s']} ({result['ceiling_s']} s)"),
             ("ingest: SyncDaemon --once (MB/s)", f"{result['ingest_mb_s']} ({result['ingest_s']} s)"),
             ("ingest / ceiling", f"{result['ratio']:.1%}"),
+            *((f"{name}: CPU s, client + server (medians)", f"{cpu['client']} + {cpu['server']}")
+              for name, cpu in (("ceiling", result["ceiling_cpu_s"]), ("ingest", result["ingest_cpu_s"]))),
+            ("load average at the end (1, 5, 15 min)", ", ".join(map(str, result["load_average"]))),
             *((f"sync --once process, {kind}: peak PSS MB; CPU s; µs/sample",
                f"{d['peak_pss_mb']}; {d['cpu_s']}; {d['cpu_us_per_sample']} ({d['samples']} samples, {d['seconds']} s)")
               for kind, d in result["daemon_process"].items()),

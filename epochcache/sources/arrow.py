@@ -18,12 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from epochcache.errors import CorruptObjectError, SourceError
-from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
+from epochcache.sources.base import RemoteObject, Unit
 from epochcache.sources.remote import FileSource, blank_image
 
 _SUFFIXES = (".arrow", ".feather", ".ipc")
@@ -74,9 +72,7 @@ class ArrowSource(FileSource):
         table = pa.Table.from_batches([batch])
         if self.columns is not None:
             table = table.select(self.columns)
-        rows = pa.array(np.arange(batch.num_rows, dtype=np.int64))
-        keys = pc.binary_join_element_wise(f"{unit.obj.path}:{unit.index}.", pc.cast(rows, pa.string()), "")
-        return table.append_column(KEY_COLUMN, keys)
+        return self._keyed(table, f"{unit.obj.path}:{unit.index}.", 0)
 
     def _read_footer(self, obj: RemoteObject) -> _Footer:
         tail_start = max(0, obj.size - _TAIL_BYTES)

@@ -16,14 +16,13 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.parquet import AlreadyBufferedFile
 
 from epochcache.errors import CorruptObjectError, SourceError
-from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
+from epochcache.sources.base import RemoteObject, Unit
+from epochcache.sources.pool import release_unused
 from epochcache.sources.remote import FileSource, blank_image
 
 _SUFFIXES = (".parquet", ".parq")
@@ -59,6 +58,9 @@ class ParquetSource(FileSource):
     def read(self, unit: Unit) -> pa.Table:
         """The row group's rows; a damaged page (a CRC mismatch where the file has page checksums, a
         decompression or decoding failure) raises :class:`CorruptObjectError` naming the unit."""
+        # Decodes allocate from the default pool (mimalloc), which keeps what a thread allocated, and
+        # the daemon has since let go, for that thread: handed back here, before this thread's next.
+        release_unused()
         metadata = self._metadata(unit.obj)
         runs = self._byte_ranges(metadata, unit)
         # The file's bytes up to the unit's last one, at their offsets, in an anonymous mapping:
@@ -80,9 +82,7 @@ class ParquetSource(FileSource):
             raise CorruptObjectError(f"{unit.obj.path} row group {unit.index} ({unit.key}) is unreadable: "
                                      f"{' '.join(str(exc).split())}") from exc
         first = sum(metadata.row_group(i).num_rows for i in range(unit.index))
-        rows = pa.array(np.arange(first, first + table.num_rows, dtype=np.int64))
-        keys = pc.binary_join_element_wise(f"{unit.obj.path}:", pc.cast(rows, pa.string()), "")
-        return table.append_column(KEY_COLUMN, keys)
+        return self._keyed(table, f"{unit.obj.path}:", first)
 
     def _read_metadata(self, obj: RemoteObject) -> pq.FileMetaData:
         tail_start = max(0, obj.size - _TAIL_BYTES)

@@ -41,9 +41,13 @@ from typing import Any, TypeVar, overload
 
 import fsspec
 import fsspec.asyn
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from epochcache.errors import CorruptObjectError, ObjectMissingError, SourceError
-from epochcache.sources.base import RemoteObject
+from epochcache.sources.base import KEY_COLUMN, RemoteObject
+from epochcache.sources.pool import ROWS_POOL
 from epochcache.sources.retry import TruncatedReadError, describe
 
 _PAGE = 1000  # objects per listing page: S3's own page size
@@ -412,6 +416,14 @@ class FileSource:
 
     def list_objects(self) -> list[RemoteObject]:
         return [obj for page in self.scan_objects() for obj in page]
+
+    @staticmethod
+    def _keyed(table: pa.Table, prefix: str, first: int) -> pa.Table:
+        """``table`` with :data:`KEY_COLUMN` appended: ``<prefix><first + row>`` for each row."""
+        rows = pa.array(np.arange(first, first + table.num_rows, dtype=np.int64))
+        keys = pc.binary_join_element_wise(prefix, pc.cast(rows, pa.string(), memory_pool=ROWS_POOL), "",
+                                           memory_pool=ROWS_POOL)
+        return table.append_column(KEY_COLUMN, keys)
 
     def scan_objects(self) -> Iterator[list[RemoteObject]]:
         return self._remote.scan(self.suffixes, self.kind)

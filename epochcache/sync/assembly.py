@@ -14,6 +14,8 @@ import pyarrow.compute as pc
 
 from epochcache.cache.columns import is_fixed_width
 from epochcache.sources import Unit
+from epochcache.sources.pool import ROWS_POOL
+from epochcache.sync.combine import combine
 from epochcache.sync.mixing import MixCursor
 
 
@@ -37,11 +39,9 @@ class Building:
 
     def rows(self) -> pa.Table:
         """The shard's rows as one chunk per column (a shard file holds one record batch), copied
-        once from the units' tables; those are let go here, so the units and the shard are not
-        both held while the shard is written."""
-        rows = pa.concat_tables(self.tables).combine_chunks()
-        self.tables = []
-        return rows
+        once from the units' tables into :data:`ROWS_POOL` by :func:`combine`, which lets each unit
+        go once its rows are copied: the units and the shard are never both held whole."""
+        return combine(self.tables, ROWS_POOL)
 
 
 def screen(table: pa.Table) -> tuple[pa.Table, int]:

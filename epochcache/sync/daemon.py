@@ -32,7 +32,6 @@ schema than the cache holds (:class:`DatasetMismatchError`) end the run.
 
 from __future__ import annotations
 
-import gc
 import logging
 import signal
 import threading
@@ -59,6 +58,7 @@ from epochcache.sync.assembly import Building, screen
 from epochcache.sync.claims import Claims
 from epochcache.sync.identity import DatasetBinding, resume_position
 from epochcache.sync.intake import Intake, Throttle
+from epochcache.sync.memory import frozen_heap
 from epochcache.sync.mixing import MixCursor
 from epochcache.sync.notes import note, until_written
 from epochcache.sync.report import StopReason, SyncReport
@@ -109,7 +109,7 @@ class SyncDaemon:
         Every thread it started has ended when it returns or raises.
         """
         stop = stop or threading.Event()
-        with _heap_frozen(), exclusive(self.layout.lock), _stop_on_signals(stop):
+        with frozen_heap(), exclusive(self.layout.lock), _stop_on_signals(stop):
             ledger = Ledger(self.layout.ledger, self._connect)
             try:
                 if until_written(lambda: reconcile(self.layout, ledger), stop, "start") is None:
@@ -304,28 +304,6 @@ def _joined(pool: ThreadPoolExecutor) -> Iterator[ThreadPoolExecutor]:
         yield pool
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-@contextmanager
-def _heap_frozen() -> Iterator[None]:
-    """In the main thread (the daemon's own process: ``epochcache sync``, or a process forked to run
-    it), the objects alive at the start are kept out of the cyclic collector for the duration: they
-    live as long as the run (imports, config, or the heap of a trainer the daemon was forked from),
-    and a full collection visits every one of them. Forked from a process that imported torch
-    (~200,000 objects), the S3 client's creation took 180 ms instead of 58 ms before the first
-    request (its JSON service model sets off full collections); frozen objects also keep the pages
-    shared with the parent from being copied. Unfrozen on the way out, unless objects were frozen
-    before (a loader forking its workers): those stay frozen, and so do these."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    frozen_before = gc.get_freeze_count() > 0
-    gc.freeze()
-    try:
-        yield
-    finally:
-        if not frozen_before:
-            gc.unfreeze()
 
 
 @contextmanager

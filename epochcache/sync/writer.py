@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from epochcache.cache.ledger import ShardRecord
 from epochcache.cache.publisher import Published, Publisher
+from epochcache.sources.pool import release_unused
 from epochcache.sync.claims import Claims
 from epochcache.sync.report import SyncReport
 
@@ -44,7 +45,7 @@ class ShardWriter:
         while len(self.pending) >= WRITES_QUEUED:
             if not self._settle_one():
                 return False
-        self.pending.append(self.executor.submit(self._write, rows(), units, cursor))
+        self.pending.append(self.executor.submit(self._write, [rows()], units, cursor))
         return True
 
     def settle(self) -> bool:
@@ -55,14 +56,19 @@ class ShardWriter:
                 return False
         return True
 
-    def _write(self, table: pa.Table, units: list[str], cursor: dict[str, Any]) -> Published | None:
-        """In the writer thread: publish one shard, unless the daemon is stopping or a shard before it
-        was refused (then none after it may be published either, or the cursor would jump past the
-        refused shard's units)."""
+    def _write(self, held: list[pa.Table], units: list[str], cursor: dict[str, Any]) -> Published | None:
+        """In the writer thread: publish one shard (``held``: its rows, taken out here), unless the
+        daemon is stopping or a shard before it was refused (then none after it may be published
+        either, or the cursor would jump past the refused shard's units)."""
+        # Taken out of the list the executor holds until after this returns: the rows are let go as
+        # soon as they are written, before the daemon, woken by the result, copies the next shard's.
+        table = held.pop()
         if self.refused.is_set() or self.stop.is_set():  # stopped: queued shards are dropped, like the one built
             self.refused.set()
             return None
         published = self.publisher.publish(table, units, cursor)
+        del table
+        release_unused()
         if published is None:
             self.refused.set()
         elif self.on_publish is not None:  # here, before the next shard starts: a hook may stop the daemon

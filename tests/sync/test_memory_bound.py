@@ -9,13 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 from conftest import write_parquet_dataset
 
 import epochcache.sync.daemon as daemon_module
 from epochcache import SyncDaemon
 from epochcache.config import Config
+from epochcache.sources import RemoteObject, Unit
+from epochcache.sync.assembly import Building
 from epochcache.sync.daemon import StopReason
+from epochcache.sync.mixing import MixCursor
+from epochcache.sync.sampler import Cursor
 
 CONCURRENCY = 3
 FILES, GROUPS, ROWS_PER_GROUP = 4, 6, 16
@@ -61,3 +66,18 @@ def test_units_held_never_exceed_the_concurrency_while_the_head_is_slow(
 
     assert report.reason is StopReason.EXHAUSTED and report.units_published == FILES * GROUPS
     assert counts["most"] == CONCURRENCY, f"held at most {counts['most']} units, the window allows {CONCURRENCY}"
+
+
+def test_a_shards_rows_are_not_copied_into_the_default_pool() -> None:
+    """The default pool (mimalloc) keeps what is freed: a shard's worth there stays in the daemon's PSS."""
+    units = [pa.table({"x": pa.array(np.arange(start, start + 50_000, dtype=np.int64))}) for start in (0, 50_000)]
+    building = Building(MixCursor({"": Cursor()}, {"": 0}))
+    for number, table in enumerate(units):
+        building.add(Unit(RemoteObject("o", 1), number, table.num_rows, None, table.nbytes), table)
+    default = pa.default_memory_pool()
+    default_before = default.bytes_allocated()
+
+    rows = building.rows()
+
+    assert rows.column("x").num_chunks == 1 and rows.column("x").to_numpy().tolist() == list(range(100_000))
+    assert default.bytes_allocated() - default_before < rows.nbytes

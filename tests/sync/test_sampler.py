@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import numpy as np
@@ -177,3 +178,28 @@ def test_partition_from_config_or_torchrun_environment() -> None:
         SamplerConfig(num_nodes=2).partition(env=torchrun)
     with pytest.raises(ValidationError, match="node_rank=3 must be below num_nodes=3"):
         SamplerConfig(node_rank=3, num_nodes=3)
+
+
+def test_a_groups_first_unit_needs_only_its_first_footer(
+    source: ParquetSource, objects: list[RemoteObject]
+) -> None:
+    """Reads start while the group's other footers are still arriving (the first object has a second
+    unit, so the first unit is not the group's last); the order and cursors are those of the whole
+    group known up front."""
+    asked: list[int] = []
+
+    class Arriving(list[list[Unit]]):
+        def __getitem__(self, index: Any) -> Any:
+            asked.append(index)
+            return super().__getitem__(index)
+
+        def __iter__(self) -> Any:
+            return (self[i] for i in range(len(self)))
+
+    lazy = Sampler(lambda objs: Arriving(source.units(obj) for obj in objs), objects, seed=7, mix=FILES)
+    walk = lazy.walk(Cursor())
+    next(walk)
+    assert len(source.units(objects[0])) > 1
+    assert sorted(set(asked)) == [0], f"the first unit asked for the units of objects {sorted(set(asked))}"
+    eager = Sampler(units_of(source), objects, seed=7, mix=FILES)
+    assert [(u.key, c) for u, c in lazy.walk(Cursor())] == [(u.key, c) for u, c in eager.walk(Cursor())]
