@@ -504,10 +504,11 @@ class EpochCachedLoader:
             return BatchThread(batches, self.config.prefetch_batches, self._build_pool)
         layout = dataset.fixed_layout()
         with self._pool_lock:
-            if self._pool is None or self._pool.closed or self._pool.layout != layout:
+            if self._pool is None or self._pool.closed or not self._pool.fit(layout):
                 # (a pool replaced for another layout stops its workers once its last epoch is dropped)
                 self._pool = WorkerPool(self._workers, self.config.prefetch_batches, self.config.batch_size,
-                                        layout, self._transform, self._sample_transform)
+                                        self._transform, self._sample_transform)
+                self._pool.fit(layout)
             return PoolEpoch(self._pool, dataset, sampler)
 
     def _snapshot(self, epoch: int) -> tuple[Lease, float]:
