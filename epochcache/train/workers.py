@@ -14,9 +14,10 @@ thread so a large dataset never blocks the trainer), where a thread of the worke
 its first item; the worker drops an epoch's dataset (unmapping its shards) at the next epoch's first item.
 Only paths travel; the user's transforms reached the workers once, through the fork.
 
-The pool learns its slots' layout with its first epoch (:meth:`WorkerPool.fit`), makes the slot ring
-then in shared memory the workers inherit (made with the pool), and sends it to them with that
-epoch's dataset: the workers' fork does not wait for the layout.
+The workers may fork before any epoch exists (:meth:`WorkerPool.start`: the loader starts them while
+it waits for the first shard), so the pool learns its slots' layout with its first epoch
+(:meth:`WorkerPool.fit`), makes the slot ring then in shared memory the workers inherited (made with
+the pool), and sends it to them with that epoch's dataset.
 
 Invariant: every item queued is read back, in order, before the pool is used again (``serial`` is the
 slot number, which the slot ring needs in order, and the items of an epoch left unread would be
@@ -26,6 +27,7 @@ pool: :meth:`WorkerPool.settled` tells the loader, which makes a new one for the
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import itertools
 import multiprocessing
@@ -165,6 +167,7 @@ class WorkerPool:
             _WorkerData(self._datasets, transform, sample_transform),  # type: ignore[arg-type]
             batch_sampler=self._feed, num_workers=workers, collate_fn=to_wire,  # type: ignore[arg-type]
             prefetch_factor=prefetch, persistent_workers=True, multiprocessing_context="fork",
+            worker_init_fn=_keep_large_allocations,
         )
         self._iterator: Iterator[Any] | None = None
         self._tags = itertools.count()
@@ -180,6 +183,10 @@ class WorkerPool:
             if layout:
                 self._ring = self._ring_unsent = SlotRing(layout, self._batch_size, self._slots, fd=self._memory)
         return self.layout == dict(layout)
+
+    def start(self) -> None:
+        """Fork the workers now, if not yet (they wait for the first epoch queued)."""
+        self._running()
 
     def _running(self) -> Iterator[Any]:
         """The DataLoader's iteration, begun (the workers forked) if it was not. From the main thread
@@ -208,8 +215,8 @@ class WorkerPool:
         """The next ``count`` batches queued. Call from the main thread: the first call forks the workers."""
         for _ in range(count):
             if self._iterator is not None and self._feed.handed == self._taken:
-                # Nothing in flight: the DataLoader's iteration has ended; a new one (the workers
-                # kept) takes the items queued since.
+                # Nothing in flight: the DataLoader's iteration has ended (or the workers started
+                # before anything was queued); a new one (the workers kept) takes the items queued since.
                 self._iterator = iter(self._loader)
             message = next(self._running())
             self._taken += 1
@@ -258,3 +265,26 @@ class PoolEpoch:
         """Close the pool if this epoch was queued and not read to its end (see the module docstring)."""
         if self._started and self._left:
             self.pool.close()
+
+
+# glibc's mmap threshold and heap trim threshold at their dynamic ceilings (64-bit glibc: 32 MiB, and
+# twice that: see mallopt(3)).
+_MMAP_THRESHOLD = 32 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _keep_large_allocations(_worker_id: int) -> None:
+    """In each worker as it starts: large allocations served from the heap and kept there.
+
+    A worker allocates a few batch-sized buffers per batch (the transform's output, the pickled message
+    of what misses the slots). glibc gives each allocation of 128 KiB or more a fresh mapping, faulted
+    in page by page and unmapped on free, until a free raises that threshold; workers forked from a
+    trainer that had already freed large buffers inherit the raised one, workers forked early (see
+    WorkerPool.start) do not: measured 171k page faults per worker against 5k, and twice the CPU per
+    sample (benchmarks/peers.py, 2 workers, bytes + transform). Fixing the thresholds (which also ends
+    glibc's adjusting them) makes every worker reuse its heap, whenever it forked. Where the C library
+    has no mallopt (not glibc), nothing changes."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+        mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD)
