@@ -225,6 +225,7 @@ class EpochCachedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         started = time.monotonic()
+        self._start_workers()
         self._wait_for_samples()
         epoch = self._epoch
         self._epoch += 1
@@ -504,11 +505,26 @@ class EpochCachedLoader:
             return BatchThread(batches, self.config.prefetch_batches, self._build_pool)
         layout = dataset.fixed_layout()
         with self._pool_lock:
-            if self._pool is None or self._pool.closed or self._pool.layout != layout:
+            if self._pool is None or self._pool.closed or not self._pool.fit(layout):
                 # (a pool replaced for another layout stops its workers once its last epoch is dropped)
-                self._pool = WorkerPool(self._workers, self.config.prefetch_batches, self.config.batch_size,
-                                        layout, self._transform, self._sample_transform)
+                self._pool = self._new_pool()
+                self._pool.fit(layout)
             return PoolEpoch(self._pool, dataset, sampler)
+
+    def _start_workers(self) -> None:
+        """With workers, at an epoch's start (on the main thread, see WorkerPool.start): fork them now
+        if no pool runs (the first epoch, or after an epoch left early), so that they start while this
+        epoch waits for its shards and is built, not after (~0.1 s of the first batch)."""
+        if self._workers:
+            with self._pool_lock:
+                if self._pool is None or self._pool.closed:
+                    self._pool = self._new_pool()
+                pool = self._pool
+            pool.start()
+
+    def _new_pool(self) -> WorkerPool:
+        return WorkerPool(self._workers, self.config.prefetch_batches, self.config.batch_size,
+                          self._transform, self._sample_transform)
 
     def _snapshot(self, epoch: int) -> tuple[Lease, float]:
         """A lease on a shard set holding at least one row, waiting for it while a daemon runs (up to

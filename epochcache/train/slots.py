@@ -2,10 +2,14 @@
 
 A DataLoader worker sends its batch through a pipe, pickled (:mod:`epochcache.train.wire`): about 400 MB/s
 here, the bottleneck of worker mode. For the common batch, whose numeric columns have the shape and
-dtype of the dataset's fixed-width columns, this ring skips the pipe. Before the workers fork, the
-trainer maps ``count`` slots of anonymous shared memory (``mmap(-1)``: no name in /dev/shm, so
-nothing can collide with it or leak after a crash; the workers inherit it through fork and it is gone
-when the last process unmaps it). Batch ``number`` goes to slot ``number % count``: the worker
+dtype of the dataset's fixed-width columns, this ring skips the pipe. The ring is ``count`` slots of
+anonymous shared memory: no name in /dev/shm, so nothing can collide with it or leak after a crash;
+it is gone when the last process unmaps it (and closes its file). The workers fork before the
+dataset's columns, hence the slots' size, are known (they start while the loader waits for the first
+shard), so the trainer makes the memory as a file (:func:`shared_memory`, a memfd) that they inherit,
+sizes and maps it once the layout is known, and sends them the ring with their first epoch: a ring
+pickles as its layout and that file's descriptor, which the workers map on arrival (without
+resetting it). Batch ``number`` goes to slot ``number % count``: the worker
 gathers it there (straight from the shards when there is no transform) and sends back only a small
 :class:`SlotBatch`; the trainer copies its arrays out into fresh tensors (pinned, when pinning) and
 frees the slot. So a batch the trainer holds never lives in the ring, and the ring's lifetime does not
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,24 +51,49 @@ class SlotBatch:
     extras: dict[str, Any]
 
 
+def shared_memory() -> int:
+    """A new, empty anonymous shared-memory file (its descriptor, closed by the caller) to hold a
+    :class:`SlotRing`: processes forked after this inherit it, so a ring made in it later reaches them.
+    Close-on-exec: a program the trainer runs never holds it."""
+    return os.memfd_create("epochcache-slots", os.MFD_CLOEXEC)
+
+
 class SlotRing:
     """``count`` slots, each holding ``batch_size`` rows of every column of ``layout`` (name -> dtype,
-    item shape); ``first`` is the epoch's first batch number (a resumed epoch starts later)."""
+    item shape); ``first`` is the epoch's first batch number (a resumed epoch starts later).
 
-    def __init__(self, layout: Layout, batch_size: int, count: int, first: int = 0):
+    ``fd``: the :func:`shared_memory` to hold it, sized here; the ring then pickles (as its layout and
+    ``fd``) for the processes forked after ``fd`` was made, which map the same slots. None: memory of
+    its own, reaching other processes only through a fork after this."""
+
+    def __init__(self, layout: Layout, batch_size: int, count: int, first: int = 0, fd: int | None = None,
+                 *, _attach: bool = False):
         self._layout = {name: (np.dtype(dtype), tuple(shape)) for name, (dtype, shape) in layout.items()}
-        self._batch_size, self._count = batch_size, count
+        self._batch_size, self._count, self._fd = batch_size, count, fd
         offsets, size = {}, 0
         for name, (dtype, shape) in self._layout.items():
             offsets[name] = size
             size += -(-batch_size * math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
         self._offsets, self._slot_bytes = offsets, size
         header = -(-count * 8 // _ALIGN) * _ALIGN
-        self._memory = mmap.mmap(-1, header + count * size)
+        total = header + count * size
+        if fd is None:
+            self._memory = mmap.mmap(-1, total)
+        else:
+            if not _attach:
+                os.ftruncate(fd, total)
+            self._memory = mmap.mmap(fd, total)
         self._header = header
         self._next_writer = np.frombuffer(self._memory, np.int64, count)
-        # batch first + k writes slot (first + k) % count first: the smallest such number per slot
-        self._next_writer[:] = first + (np.arange(count) - first) % count
+        if not _attach:  # (a worker attaching finds the numbers the trainer keeps)
+            # batch first + k writes slot (first + k) % count first: the smallest such number per slot
+            self._next_writer[:] = first + (np.arange(count) - first) % count
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self._fd is None:
+            raise TypeError("a SlotRing in memory of its own reaches other processes through fork only: "
+                            "make it with fd=shared_memory() before they fork to send it")
+        return _attached, (self._layout, self._batch_size, self._count, self._fd)
 
     def claim(self, number: int) -> dict[str, np.ndarray] | None:
         """In a worker: the full-size arrays of batch ``number``'s slot, or None while it is still in use."""
@@ -126,3 +156,8 @@ class SlotRing:
             ).reshape(self._batch_size, *shape)
             for name, (dtype, shape) in self._layout.items()
         }
+
+
+def _attached(layout: Layout, batch_size: int, count: int, fd: int) -> SlotRing:
+    """In a process forked after ``fd`` was made: the ring the trainer made in it (see SlotRing.__reduce__)."""
+    return SlotRing(layout, batch_size, count, fd=fd, _attach=True)

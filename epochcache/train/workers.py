@@ -14,6 +14,11 @@ thread so a large dataset never blocks the trainer), where a thread of the worke
 its first item; the worker drops an epoch's dataset (unmapping its shards) at the next epoch's first item.
 Only paths travel; the user's transforms reached the workers once, through the fork.
 
+The workers may fork before any epoch exists (:meth:`WorkerPool.start`: the loader starts them while
+it waits for the first shard), so the pool learns its slots' layout with its first epoch
+(:meth:`WorkerPool.fit`), makes the slot ring then in shared memory the workers inherited (made with
+the pool), and sends it to them with that epoch's dataset.
+
 Invariant: every item queued is read back, in order, before the pool is used again (``serial`` is the
 slot number, which the slot ring needs in order, and the items of an epoch left unread would be
 handed out as the next epoch's batches). So an epoch left early, or queued and dropped, closes the
@@ -22,10 +27,13 @@ pool: :meth:`WorkerPool.settled` tells the loader, which makes a new one for the
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import itertools
 import multiprocessing
+import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -36,7 +44,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from epochcache.train.dataset import ShardSetDataset, Views
 from epochcache.train.mappings import ShardMaps
 from epochcache.train.order import EpochBatches
-from epochcache.train.slots import Layout, SlotRing
+from epochcache.train.slots import Layout, SlotRing, shared_memory
 from epochcache.train.transform import BatchTransform, SampleTransform, TransformedDataset
 from epochcache.train.wire import from_wire, to_wire
 
@@ -75,9 +83,9 @@ class _WorkerData(Dataset[Any]):
     its shards, through this worker's mappings kept across epochs), while the worker still builds the
     last epoch's batches: the next epoch's first batch then costs no more than any other."""
 
-    def __init__(self, datasets: list[Any], ring: SlotRing | None, transform: BatchTransform | None,
-                 sample_transform: SampleTransform | None):
-        self._datasets, self._ring = datasets, ring
+    def __init__(self, datasets: list[Any], transform: BatchTransform | None, sample_transform: SampleTransform | None):
+        self._datasets = datasets
+        self._ring: SlotRing | None = None  # arrives with the first epoch, if the dataset has fixed-width columns
         self._transform, self._sample_transform = transform, sample_transform
         self._loaded: dict[int, TransformedDataset] = {}  # by epoch tag: the current and the next
         self._ready = threading.Condition()
@@ -91,7 +99,7 @@ class _WorkerData(Dataset[Any]):
 
     def __getitems__(self, item: Item) -> Any:
         tag, serial, indices = item
-        data = self._epoch(tag)
+        data = self._epoch(tag)  # (after which the ring, if any, has arrived)
         if self._ring is None:
             return data.__getitems__(indices)
         slot = self._ring.claim(serial) if data.plain else None
@@ -118,37 +126,48 @@ class _WorkerData(Dataset[Any]):
             return self._loaded[tag]
 
     def _receive(self, datasets: Any) -> None:
-        """The receiving thread: each dataset queued for this worker, opened, then made available."""
+        """The receiving thread: each dataset queued for this worker (the first with the slot ring),
+        opened, then made available."""
         maps: ShardMaps[Views] | None = None
         while True:
-            tag, dataset = datasets.get()
+            tag, dataset, ring = datasets.get()
             if maps is None:
                 maps = ShardMaps(dataset.max_open_shards)
             dataset.use_maps(maps)
             dataset.open()
             with self._ready:
+                if ring is not None:
+                    self._ring = ring
                 self._loaded[tag] = TransformedDataset(dataset, self._transform, self._sample_transform)
                 self._ready.notify_all()
 
 
 class WorkerPool:
-    """``workers`` processes building batches of ``batch_size`` rows, ``prefetch`` batches each ahead;
-    ``layout`` (fixed-width columns, name -> dtype, item shape): the slots' columns, empty for none."""
+    """``workers`` processes building batches of ``batch_size`` rows, ``prefetch`` batches each ahead,
+    for epochs of one layout (fixed-width columns, name -> dtype, item shape: the slots' columns), the
+    first one's (:meth:`fit`)."""
 
-    def __init__(self, workers: int, prefetch: int, batch_size: int, layout: Layout,
+    def __init__(self, workers: int, prefetch: int, batch_size: int,
                  transform: BatchTransform | None, sample_transform: SampleTransform | None):
         fork = multiprocessing.get_context("fork")
         self._datasets = [fork.Queue() for _ in range(workers)]
-        self.layout = dict(layout)
+        self._batch_size = batch_size
         # The DataLoader asks for at most prefetch batches per worker ahead of the batch being handed
         # out; two slots more leave room for the batch being copied out and a worker running ahead.
-        self._ring = SlotRing(layout, batch_size, prefetch * workers + 2) if layout else None
+        self._slots = prefetch * workers + 2
+        self._memory = shared_memory()  # the ring's, sized by fit(); made now so the workers inherit it
+        # closed by close(), or when a pool replaced for another layout is collected
+        self._release_memory = weakref.finalize(self, os.close, self._memory)
+        self.layout: dict[str, Any] | None = None
+        self._ring: SlotRing | None = None
+        self._ring_unsent: SlotRing | None = None  # the ring, until it went to the workers with an epoch
         self._feed = _Feed()
         self._loader = DataLoader(
-            # the ring and the queues reach the workers through fork (neither can be pickled)
-            _WorkerData(self._datasets, self._ring, transform, sample_transform),  # type: ignore[arg-type]
+            # the queues reach the workers through fork (they cannot be pickled)
+            _WorkerData(self._datasets, transform, sample_transform),  # type: ignore[arg-type]
             batch_sampler=self._feed, num_workers=workers, collate_fn=to_wire,  # type: ignore[arg-type]
             prefetch_factor=prefetch, persistent_workers=True, multiprocessing_context="fork",
+            worker_init_fn=_keep_large_allocations,
         )
         self._iterator: Iterator[Any] | None = None
         self._tags = itertools.count()
@@ -156,29 +175,50 @@ class WorkerPool:
         self._taken = 0  # batches read back
         self.closed = False
 
+    def fit(self, layout: Layout) -> bool:
+        """Whether the pool takes epochs of ``layout``: the first layout given is the pool's (its slot
+        ring is made for it; none for an empty one), any other is refused."""
+        if self.layout is None:
+            self.layout = dict(layout)
+            if layout:
+                self._ring = self._ring_unsent = SlotRing(layout, self._batch_size, self._slots, fd=self._memory)
+        return self.layout == dict(layout)
+
+    def start(self) -> None:
+        """Fork the workers now, if not yet (they wait for the first epoch queued)."""
+        self._running()
+
+    def _running(self) -> Iterator[Any]:
+        """The DataLoader's iteration, begun (the workers forked) if it was not. From the main thread
+        only (forked from another thread, the workers exit with code 1 at shutdown under torch 2.x)."""
+        if self._iterator is None:
+            # The objects alive now are shared with the workers, page by page, until written. A full
+            # collection writes to every object it visits (in any of the processes), so pages were
+            # copied, epoch after epoch; frozen objects are never visited. (The garbage among them is
+            # kept: it is what the workers inherit anyway.)
+            gc.freeze()
+            self._iterator = iter(self._loader)
+        return self._iterator
+
     def queue(self, dataset: ShardSetDataset, sampler: EpochBatches) -> None:
-        """Queue an epoch: ``sampler``'s batches of ``dataset``, after every epoch queued before."""
+        """Queue an epoch: ``sampler``'s batches of ``dataset``, after every epoch queued before.
+        The pool must :meth:`fit` the dataset's layout."""
         tag, first = next(self._tags), self._queued
+        ring, self._ring_unsent = self._ring_unsent, None
         for datasets in self._datasets:
-            datasets.put((tag, dataset))  # pickled by the queue's thread: only paths, see ShardSetDataset
+            # pickled by the queue's thread: only paths (see ShardSetDataset) and, once, the ring
+            datasets.put((tag, dataset, ring))
         self._queued += len(sampler)
         self._feed.extend((tag, first + k, indices) for k, indices in enumerate(sampler))
 
     def batches(self, count: int) -> Iterator[Any]:
-        """The next ``count`` batches queued. Call from the main thread: the first call forks the workers
-        (forked from another thread, they exit with code 1 at shutdown under torch 2.x)."""
+        """The next ``count`` batches queued. Call from the main thread: the first call forks the workers."""
         for _ in range(count):
-            if self._iterator is None or self._feed.handed == self._taken:
-                # Nothing in flight: the DataLoader's iteration has ended (or not begun); a new one
-                # (the workers kept) takes the items queued since.
-                if self._iterator is None:
-                    # The objects alive now are shared with the workers, page by page, until written.
-                    # A full collection writes to every object it visits (in any of the processes), so
-                    # pages were copied, epoch after epoch; frozen objects are never visited. (The
-                    # garbage among them is kept: it is what the workers inherit anyway.)
-                    gc.freeze()
+            if self._iterator is not None and self._feed.handed == self._taken:
+                # Nothing in flight: the DataLoader's iteration has ended (or the workers started
+                # before anything was queued); a new one (the workers kept) takes the items queued since.
                 self._iterator = iter(self._loader)
-            message = next(self._iterator)
+            message = next(self._running())
             self._taken += 1
             if self._ring is not None:
                 yield self._ring.receive(message)
@@ -198,6 +238,7 @@ class WorkerPool:
         for datasets in self._datasets:
             datasets.cancel_join_thread()  # a worker gone may leave a dataset unread: never wait on it
             datasets.close()
+        self._release_memory()  # (the ring's mappings keep its memory while a process holds one)
 
 
 class PoolEpoch:
@@ -224,3 +265,26 @@ class PoolEpoch:
         """Close the pool if this epoch was queued and not read to its end (see the module docstring)."""
         if self._started and self._left:
             self.pool.close()
+
+
+# glibc's mmap threshold and heap trim threshold at their dynamic ceilings (64-bit glibc: 32 MiB, and
+# twice that: see mallopt(3)).
+_MMAP_THRESHOLD = 32 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _keep_large_allocations(_worker_id: int) -> None:
+    """In each worker as it starts: large allocations served from the heap and kept there.
+
+    A worker allocates a few batch-sized buffers per batch (the transform's output, the pickled message
+    of what misses the slots). glibc gives each allocation of 128 KiB or more a fresh mapping, faulted
+    in page by page and unmapped on free, until a free raises that threshold; workers forked from a
+    trainer that had already freed large buffers inherit the raised one, workers forked early (see
+    WorkerPool.start) do not: measured 171k page faults per worker against 5k, and twice the CPU per
+    sample (benchmarks/peers.py, 2 workers, bytes + transform). Fixing the thresholds (which also ends
+    glibc's adjusting them) makes every worker reuse its heap, whenever it forked. Where the C library
+    has no mallopt (not glibc), nothing changes."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+        mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD)

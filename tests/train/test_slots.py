@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pickle
 from collections.abc import Callable
 
 import numpy as np
@@ -11,7 +13,7 @@ from conftest import ITEM_SHAPE
 
 from epochcache import EpochCachedLoader
 from epochcache.config import Config
-from epochcache.train.slots import SlotBatch, SlotRing
+from epochcache.train.slots import SlotBatch, SlotRing, shared_memory
 
 LAYOUT = {"image": (np.dtype(np.uint8), ITEM_SHAPE), "id": (np.dtype(np.int64), ())}
 
@@ -93,3 +95,23 @@ def test_worker_batches_equal_the_in_process_batches(
         for batch in epoch:
             pixels = (batch["id"] % 251).to(batch["image"].dtype)[:, None, None, None].expand(-1, *ITEM_SHAPE)
             assert torch.equal(batch["image"], pixels)
+
+
+def test_ring_in_shared_memory_pickles_to_the_same_slots_without_resetting_them() -> None:
+    fd = shared_memory()
+    try:
+        ring = SlotRing(LAYOUT, batch_size=2, count=2, fd=fd)
+        held = ring.send(0, _batch([1, 2]))
+        attached = pickle.loads(pickle.dumps(ring))  # what a worker forked after shared_memory() receives
+        assert attached.claim(2) is None, "batch 0 is unread: the attached ring must not free its slot"
+        message = attached.send(1, _batch([3, 4]))
+        assert message is not None and torch.equal(ring.receive(message)["id"], torch.tensor([3, 4]))
+        assert torch.equal(ring.receive(held)["id"], torch.tensor([1, 2]))
+        assert attached.claim(2) is not None, "the trainer's receive freed the slot for both"
+    finally:
+        os.close(fd)
+
+
+def test_ring_in_memory_of_its_own_refuses_to_pickle() -> None:
+    with pytest.raises(TypeError, match="shared_memory"):
+        pickle.dumps(SlotRing(LAYOUT, batch_size=2, count=2))
