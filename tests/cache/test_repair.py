@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from functools import partial
 
 import pytest
-from conftest import make_table
+from conftest import make_table, wait_for
 
 from epochcache.cache.evict import Fifo
 from epochcache.cache.layout import CacheLayout, parse_shard_name
@@ -14,6 +15,7 @@ from epochcache.cache.ledger import Ledger, ShardRecord
 from epochcache.cache.quarantine import quarantine_shard
 from epochcache.cache.repair import Repairs, check, reconcile
 from epochcache.cache.shards import ShardMeta, open_shard, schema_fingerprint, with_record_meta, write_shard
+from epochcache.cache.verifier import BackgroundVerifier
 
 
 @pytest.fixture
@@ -194,3 +196,24 @@ def test_reconcile_logs_only_when_repairing(
         reconcile(layout, ledger)
     assert len(caplog.records) == 1
     assert "temp_files=1" in caplog.records[0].getMessage()
+
+
+def test_the_background_verifiers_quarantine_is_a_commit_the_loaders_ledger_sees(
+    layout: CacheLayout, ledger: Ledger
+) -> None:
+    """The loader keeps an epoch prepared ahead only if its ledger's version (other connections'
+    commits) did not change: the verifier, which the loader runs beside it, must write through a
+    connection of its own, or its quarantines would go unseen."""
+    good, bad = (dataclasses.replace(write_record(layout, name, created), verified=False)
+                 for name, created in (("good", 1.0), ("bad", 2.0)))
+    for record in (good, bad):
+        ledger.publish(record)  # as the daemon of another host would: not checksummed on this one
+    path = layout.shards / bad.filename
+    path.write_bytes(path.read_bytes()[:-100])  # truncated
+    before = ledger.version()
+    verifier = BackgroundVerifier(layout)
+    assert verifier.submit([good, bad]) == 2
+    wait_for(lambda: [q.record.id for q in ledger.quarantined()] == ["bad"], timeout=10)
+    verifier.close()
+    assert ledger.version() != before
+    assert [r.id for r in ledger.shards()] == ["good"] and ledger.shard("good").verified
