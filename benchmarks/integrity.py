@@ -109,7 +109,7 @@ def sync_and_compare(endpoint: str, tmp: Path, source: dict[int, bytes]) -> dict
             for row_id, payload in zip(table.column("id").to_pylist(), table.column("payload").to_pylist()):
                 ids.append(row_id)
                 identical += source.get(row_id) == payload
-        skipped = {key: info.get("error", "") for key, info in ledger.skipped().items()}
+        skipped = {key: info.get("error", "") for key, info in ledger.daemon.skipped().items()}
         counters = ledger.counters()
     finally:
         ledger.close()

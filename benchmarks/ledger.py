@@ -70,7 +70,7 @@ def measure(n: int) -> dict[str, object]:
             ledger.publish(rec(counter[0]))
 
         out: dict[str, object] = {"shards": n, "bytes_per_shard": round(per_shard, 1)}
-        checkpoint = ledger._db().execute  # a write's WAL pages are copied into the database later
+        checkpoint = ledger.db.connection().execute  # a write's WAL pages are copied into the database later
 
         # Steady state: the bulk load's WAL is checkpointed first, and cheap operations are averaged
         # over many calls (a handful would be one checkpoint's noise).
@@ -82,8 +82,8 @@ def measure(n: int) -> dict[str, object]:
         def snapshot(by: Ledger) -> None:
             """A snapshot and the checkpoint of the WAL it wrote: whoever writes next pays that
             checkpoint, so it is charged here."""
-            leases.append(by.snapshot("bench", 60).id)
-            by._db().execute("PRAGMA wal_checkpoint(PASSIVE)")
+            leases.append(by.leases.snapshot("bench", 60).id)
+            by.db.connection().execute("PRAGMA wal_checkpoint(PASSIVE)")
 
         def first_snapshot() -> None:
             """A process's first snapshot (a new Ledger, opened and closed with it): it decodes every record."""
@@ -97,11 +97,11 @@ def measure(n: int) -> dict[str, object]:
         out["snapshot"] = timed(first_snapshot, repeat=2)
         snapshot(ledger)
         out["snapshot again"] = timed(lambda: snapshot(ledger), repeat=3)
-        out["renew"] = timed(lambda: ledger.renew(leases[0], 60), repeat=100)
-        out["release"] = timed(lambda: ledger.release(leases.pop()), repeat=2)
-        out["status"] = timed(lambda: (ledger.usage(), ledger.newest(20), ledger.leases(with_shards=False)))
+        out["renew"] = timed(lambda: ledger.leases.renew(leases[0], 60), repeat=100)
+        out["release"] = timed(lambda: ledger.leases.release(leases.pop()), repeat=2)
+        out["status"] = timed(lambda: (ledger.usage(), ledger.newest(20), ledger.leases.live(with_shards=False)))
         for lease_id in leases:
-            ledger.release(lease_id)
+            ledger.leases.release(lease_id)
         for name in ("lru", "most-used", "random"):  # as the daemon picks them: min_uses 1, every shard used
             out[f"evict {name}"] = timed(lambda: publish_evicting(policy_named(name, min_uses=1)), repeat=50, warmup=3)
         ledger.close()

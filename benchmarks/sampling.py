@@ -134,7 +134,7 @@ def egress(remote: str, cache: Path, budget: int) -> dict[str, Any]:
     started = time.perf_counter()
     ledger = Ledger(CacheLayout(cache).ledger)
     try:
-        while (ledger.daemon_state() or {}).get("state") != WAITING:
+        while (ledger.daemon.status() or {}).get("state") != WAITING:
             if not thread.is_alive() or time.perf_counter() - started > EGRESS_TIMEOUT_S:
                 raise RuntimeError(f"the daemon did not reach {WAITING!r} within {EGRESS_TIMEOUT_S} s")
             time.sleep(0.05)  # polling the daemon's state, as `epochcache status` would

@@ -1,7 +1,7 @@
 """Coverage and echo of a cache's epochs: how much of the remote training has seen, and how many
 times over.
 
-In: the ledger's epoch records (:meth:`Ledger.epochs`: samples trained and distinct samples trained,
+In: the ledger's epoch records (``ledger.leases.epochs()``: samples trained and distinct samples trained,
 kept by every snapshot, with the daemon's estimate of the remote's rows then: ``remote_rows`` in the
 progress published with its cursor). Out: :class:`Coverage`, for ``epochcache status`` and
 ``EpochCachedLoader.last_epoch``. ``coverage`` = distinct samples trained / samples in this node's
@@ -42,13 +42,13 @@ class Coverage:
 
 def coverage_of(ledger: Ledger) -> Coverage | None:
     """The cache's coverage after its latest epoch; None before its first."""
-    last = ledger.epochs(1)
+    last = ledger.leases.epochs(1)
     if not last:
         return None
     return of_epoch(last[0])
 
 
 def of_epoch(epoch: dict[str, Any]) -> Coverage:
-    """The coverage an epoch record (:meth:`Ledger.epochs`) states."""
+    """The coverage an epoch record (``ledger.leases.epochs()``) states."""
     return Coverage(epochs=epoch["n"], trained=epoch["trained"], distinct=epoch["distinct_trained"],
                     remote=epoch["remote_rows"], fetched_bytes=epoch["fetched_bytes"])

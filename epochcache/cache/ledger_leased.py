@@ -1,7 +1,7 @@
 """The shard records a lease hands to its reader, read once per process and reused.
 
 A lease holds every shard published up to a row number less its excluded rows (see
-:meth:`epochcache.cache.ledger.Ledger.snapshot`). Its records carry what a reader needs: file name,
+:meth:`epochcache.cache.ledger_leases.Leases.snapshot`). Its records carry what a reader needs: file name,
 bytes, rows, checksum, schema, whether the checksum was verified, creation time; neither unit keys
 nor use counts (``units`` empty, ``uses`` 0, ``last_used`` None: the ledger's own records have them).
 Those fields never change for a row (a row number is never reused in a database; only ``verified``

@@ -199,7 +199,7 @@ class Publisher:
         if state != self._state:
             try:
                 # update, not set: the daemon's vitals (started, settings, last_error) share this record
-                self.ledger.update_daemon_state(
+                self.ledger.daemon.update_status(
                     {"pid": os.getpid(), "state": state, "since": time.time(), "error": None, **detail}
                 )
             except LedgerFullError:

@@ -39,7 +39,7 @@ def quarantine_shard(layout: CacheLayout, ledger: Ledger, record: ShardRecord, r
         ledger.drop([record.id])  # evicted meanwhile, or the file vanished: nothing to keep
         log.warning("shard %s has no file (%s); its record is dropped", record.id, reason)
         return False
-    if ledger.quarantine(record.id, reason) is None:
+    if ledger.quarantine.add(record.id, reason) is None:
         target.unlink(missing_ok=True)  # evicted between the rename and now: its bytes are no longer charged
         return False
     log.warning("quarantined shard %s (%s): %s", record.id, layout.quarantine / record.filename, reason)
@@ -48,10 +48,10 @@ def quarantine_shard(layout: CacheLayout, ledger: Ledger, record: ShardRecord, r
 
 def purge_quarantine(layout: CacheLayout, ledger: Ledger) -> list[ShardRecord]:
     """Delete every quarantined file, then stop charging it (so no byte on disk goes uncharged)."""
-    purged = [entry.record for entry in ledger.quarantined()]
+    purged = [entry.record for entry in ledger.quarantine.entries()]
     for record in purged:
         (layout.quarantine / record.filename).unlink(missing_ok=True)
-    ledger.forget_quarantined([r.id for r in purged])
+    ledger.quarantine.forget([r.id for r in purged])
     return purged
 
 

@@ -109,7 +109,7 @@ def check(
 
 def _scan(layout: CacheLayout, ledger: Ledger) -> _Findings:
     recorded = ledger.filenames()
-    quarantined = {entry.record.filename: entry.record.id for entry in ledger.quarantined()}
+    quarantined = {entry.record.filename: entry.record.id for entry in ledger.quarantine.entries()}
     names = {path.name for path in layout.shards.iterdir()}
     in_quarantine = {path.name for path in layout.quarantine.iterdir()}
     gone = recorded - names
@@ -160,6 +160,6 @@ def _apply(
     ledger.drop(sorted(findings.missing))
     for name in findings.stray_quarantine:
         (layout.quarantine / name).unlink(missing_ok=True)
-    ledger.forget_quarantined(sorted(findings.lost_quarantine))
+    ledger.quarantine.forget(sorted(findings.lost_quarantine))
     for record, reason in corrupt:
         quarantine_shard(layout, ledger, record, reason)

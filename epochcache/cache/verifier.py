@@ -32,7 +32,7 @@ class BackgroundVerifier:
     """One thread checksumming submitted records in order, into the ledger and shards of ``layout``.
 
     The thread writes through a ledger connection of its own: its quarantines are then commits by
-    another connection to the loader's ledger, which :meth:`Ledger.version` shows (the loader's check
+    another connection to the loader's ledger, which ``ledger.db.version()`` shows (the loader's check
     that no shard left since an epoch was prepared rests on that)."""
 
     def __init__(self, layout: CacheLayout):

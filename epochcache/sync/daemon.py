@@ -167,7 +167,7 @@ class _Run:
     def execute(self) -> SyncReport:
         self.vitals.start(settings_of(self.cfg, self.once))
         position = resume_position(self.cfg, self.ledger, self.streams)
-        self.units_done = _units_done(self.ledger.cursor(), position)
+        self.units_done = _units_done(self.ledger.daemon.cursor(), position)
         publisher = Publisher(self.daemon.layout, self.ledger, self.cfg.cache, self.stop, evict=not self.once)
         with _joined(ThreadPoolExecutor(self.cfg.sampler.concurrency, thread_name_prefix="fetch")) as pool, \
                 _joined(ThreadPoolExecutor(1, thread_name_prefix="publish")) as writer:
@@ -222,7 +222,7 @@ class _Run:
             return self._stop_reason()
         if not self.writer.settle():
             return self._stop_reason()
-        note(self.ledger.set_cursor, {**building.cursor.to_dict(), "progress": self._progress(building.cursor)})
+        note(self.ledger.daemon.set_cursor, {**building.cursor.to_dict(), "progress": self._progress(building.cursor)})
         return StopReason.EXHAUSTED
 
     def _add(self, building: Building, stream: Stream, unit: Unit, table: pa.Table) -> bool:

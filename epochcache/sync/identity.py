@@ -43,15 +43,15 @@ def stream_order(config: Config, stream: Stream) -> list[object]:
 def resume_position(config: Config, ledger: Ledger, streams: Sequence[Stream]) -> MixCursor:
     """Where to go on from: the ledger's cursor, each stream's afresh if it was left by another
     remote order."""
-    position = MixCursor.from_dict(ledger.cursor(), [s.name for s in streams])
+    position = MixCursor.from_dict(ledger.daemon.cursor(), [s.name for s in streams])
     for stream in streams:
-        listing = ledger.stream_listing(stream.name)
+        listing = ledger.daemon.listing(stream.name)
         if listing and listing.get("order") != stream_order(config, stream):
             log.warning("source %r: url, format, columns, labels, sampler.seed, sampler.mix_units or the "
                         "node partition changed since the last run: starting a new order from its first "
                         "pass; cached shards rotate out as usual", stream.name or stream.config.url)
-            ledger.set_stream_listing(stream.name, {})
-            ledger.drop_listing_pages(stream.name)
+            ledger.daemon.set_listing(stream.name, {})
+            ledger.daemon.drop_listing_pages(stream.name)
             position = MixCursor({**position.cursors, stream.name: Cursor()}, position.rows)
     return position
 
@@ -76,14 +76,14 @@ class DatasetBinding:
         self.ledger, self.config = ledger, config
         self._sources = [{"name": s.name, "url": s.url, "format": s.format, "columns": s.columns,
                           "labels": s.labels} for s in config.sources]
-        bound = ledger.identity() if has_shards else None
+        bound = ledger.daemon.identity() if has_shards else None
         self._fingerprints = ledger.schemas() if has_shards and not bound else set()
         self._schema: str | None = bound.get("schema") if bound else None
         self._first: str = bound.get("schema_from", "") if bound else ""
         self._run: tuple[str, str] | None = None  # (source, columns) of this run's first rows
         if bound:
             self._refuse_changed_selection(bound.get("sources", []))
-        note(ledger.set_identity, {"sources": self._sources, "schema": self._schema, "schema_from": self._first})
+        note(ledger.daemon.set_identity, {"sources": self._sources, "schema": self._schema, "schema_from": self._first})
 
     def check(self, source: str, key: str, schema: pa.Schema) -> None:
         """Take in the schema of rows read (of ``key``, from ``source``). Raises
@@ -105,7 +105,7 @@ class DatasetBinding:
             )
         if self._schema is None:
             self._schema, self._first = text, key
-            note(self.ledger.set_identity, {"sources": self._sources, "schema": text, "schema_from": key})
+            note(self.ledger.daemon.set_identity, {"sources": self._sources, "schema": text, "schema_from": key})
         elif text != self._schema:
             raise DatasetMismatchError(
                 f"{key} (source {source!r}) has columns {text} but the rows cached in {self.config.cache.dir} "

@@ -35,7 +35,7 @@ class PagedListing(Sequence[RemoteObject]):
 
     @classmethod
     def open(cls, ledger: Ledger, header: dict[str, Any], stream: str = "") -> PagedListing | None:
-        """The listing ``header`` (from ``ledger.stream_listing(stream)``) describes; None if it is incomplete."""
+        """The listing ``header`` (from ``ledger.daemon.listing(stream)``) describes; None if it is incomplete."""
         if header.get("count") is None:
             return None
         return cls(ledger, list(header["starts"]), int(header["count"]), stream, header.get("bytes"))
@@ -59,7 +59,7 @@ class PagedListing(Sequence[RemoteObject]):
         return RemoteObject(path, size, etag)
 
     def _load(self, number: int) -> list[tuple[str, int, str | None]]:
-        page = self._ledger.listing_page(number, self._stream)
+        page = self._ledger.daemon.listing_page(number, self._stream)
         if page is None:
             raise LookupError(f"listing page {number} is missing from the ledger: delete the cache dir's "
                               "ledger/ folder to start a fresh listing")
@@ -71,13 +71,13 @@ def store_listing(
 ) -> PagedListing:
     """Write ``pages`` into the ledger as ``stream``'s listing as they arrive, then its header
     (``header`` plus ``count``, the page ``starts`` and the objects' total ``bytes``); return the listing over them."""
-    ledger.set_stream_listing(stream, {**header, "count": None})
-    ledger.drop_listing_pages(stream)
+    ledger.daemon.set_listing(stream, {**header, "count": None})
+    ledger.daemon.drop_listing_pages(stream)
     starts, count, nbytes = [], 0, 0
     for number, page in enumerate(pages):
-        ledger.set_listing_page(number, [(obj.path, obj.size, obj.etag) for obj in page], stream)
+        ledger.daemon.set_listing_page(number, [(obj.path, obj.size, obj.etag) for obj in page], stream)
         starts.append(count)
         count += len(page)
         nbytes += sum(obj.size for obj in page)
-    ledger.set_stream_listing(stream, {**header, "count": count, "starts": starts, "bytes": nbytes})
+    ledger.daemon.set_listing(stream, {**header, "count": count, "starts": starts, "bytes": nbytes})
     return PagedListing(ledger, starts, count, stream, nbytes)

@@ -50,7 +50,7 @@ class SkipBook:
 
     def skipped_objects(self, pass_: int) -> set[str]:
         """Keys of the skip records of ``pass_`` (``<path>#*`` for an object whose metadata failed)."""
-        return {key for key, info in self.ledger.skipped().items() if info.get("pass") == pass_}
+        return {key for key, info in self.ledger.daemon.skipped().items() if info.get("pass") == pass_}
 
     def skip(self, stream: Stream, pass_: int, key: str, obj: RemoteObject, index: int | None,
              exc: Exception) -> None:
@@ -60,14 +60,14 @@ class SkipBook:
         self._unread.add(key)
         note(self.ledger.incr, "units_skipped")
         self.vitals.failed(_what(exc), f"{key}: {describe(exc)}")
-        note(self.ledger.set_skipped, key, {"path": obj.path, "size": obj.size, "index": index, "pass": pass_,
+        note(self.ledger.daemon.set_skipped, key, {"path": obj.path, "size": obj.size, "index": index, "pass": pass_,
                                       "stream": stream.name, "error": describe(exc)})
 
     def retry(self, stream: Stream, pass_: int, read: Read) -> Iterator[tuple[Unit, pa.Table]]:
         """Yield the rows of ``stream``'s skipped units of this pass that read now; forget those whose
         object is gone; a unit failing again stays recorded (``final``) and counted as unread, and
         the pass moves on without it."""
-        for key, info in self.ledger.skipped().items():
+        for key, info in self.ledger.daemon.skipped().items():
             if (info.get("pass") != pass_ or info.get("stream", "") != stream.name or info.get("final")
                     or self.stop.is_set()):
                 continue
@@ -88,10 +88,10 @@ class SkipBook:
                 log.warning("%s failed again at the end of pass %d: %s", key, pass_, describe(exc))
                 self.vitals.failed(_what(exc), f"{key} failed again at the pass end: {describe(exc)}")
                 self._unread.add(key)
-                note(self.ledger.set_skipped, key, {**info, "final": True, "error": describe(exc)})
+                note(self.ledger.daemon.set_skipped, key, {**info, "final": True, "error": describe(exc)})
                 continue
             self._unread.discard(key)
-            note(self.ledger.drop_skipped, key)
+            note(self.ledger.daemon.drop_skipped, key)
 
 
 def _what(exc: Exception) -> str:

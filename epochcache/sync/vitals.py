@@ -1,6 +1,6 @@
 """The daemon's vitals in the ledger's daemon state, for ``epochcache status``.
 
-Out (``ledger.update_daemon_state``): ``started`` (epoch seconds), ``settings`` (budget, shard size,
+Out (``ledger.daemon.update_status``): ``started`` (epoch seconds), ``settings`` (budget, shard size,
 sources without their storage options, concurrency, rate limit), ``fetched_bytes`` and
 ``fetch_bytes_per_s`` (over the last interval), ``last_error`` / ``last_error_at``: the first failure
 of the current outage ("remote unreachable since 12:03:11: <one line>"), cleared once a read works
@@ -56,7 +56,7 @@ class Vitals:
         self._fields = {"pid": os.getpid(), "started": now, "settings": settings, "fetched_bytes": 0,
                         "fetch_bytes_per_s": 0.0, "last_error": None, "last_error_at": None}
         # The publisher's running/backpressure line starts as "starting" (status reads state/since).
-        note(self.ledger.update_daemon_state, {**self._fields, "state": "starting", "since": now})
+        note(self.ledger.daemon.update_status, {**self._fields, "state": "starting", "since": now})
 
     def fetched(self, nbytes: int) -> None:
         """A read worked: count its bytes; a standing error is over."""
@@ -104,7 +104,7 @@ class Vitals:
             self._fields["fetch_bytes_per_s"] = round((self.fetched_bytes - before) / (now - then), 1)
             self._mark = (now, self.fetched_bytes)
         self._fields["fetched_bytes"] = self.fetched_bytes
-        note(self.ledger.update_daemon_state, self._fields)
+        note(self.ledger.daemon.update_status, self._fields)
         # The cache's lifetime total (this run's is in the state): what epochs' coverage is paid with.
         note(self.ledger.incr, "fetched_bytes", self.fetched_bytes - self._counted)
         self._counted = self.fetched_bytes

@@ -137,7 +137,7 @@ class Walk:
         the listing's first object and kept in the listing's header (carried from pass to pass), so
         every pass and restart shapes from the same value. None (not kept: measured again next pass)
         if the listing is empty or the read fails."""
-        header = self.ledger.stream_listing(stream.name) or {}
+        header = self.ledger.daemon.listing(stream.name) or {}
         if header.get(CACHED_PER_LISTED) is not None:
             return float(header[CACHED_PER_LISTED])
         if not len(listing):
@@ -151,7 +151,7 @@ class Walk:
                         first.path, describe(exc))
             return None
         self.vitals.fetched(read)  # egress like any read
-        until_written(lambda: self.ledger.set_stream_listing(stream.name, {**header, CACHED_PER_LISTED: ratio}),
+        until_written(lambda: self.ledger.daemon.set_listing(stream.name, {**header, CACHED_PER_LISTED: ratio}),
                       self.stop, "keeping the cached size per listed byte")
         return ratio
 
@@ -186,7 +186,7 @@ class Walk:
         reopened from it across restarts. A listing that keeps failing is tried again after a pause
         (shown in the daemon's vitals); with ``once`` its :class:`FetchFailedError` (naming the URL
         and the error, which names the host) ends the run. None once stopped."""
-        header = self.ledger.stream_listing(stream.name)
+        header = self.ledger.daemon.listing(stream.name)
         if header and header.get("pass") == pass_:
             stored = PagedListing.open(self.ledger, header, stream.name)
             if stored is not None:
@@ -204,7 +204,7 @@ class Walk:
         return None
 
     def _list(self, stream: Stream, pass_: int) -> PagedListing:
-        kept = (self.ledger.stream_listing(stream.name) or {}).get(CACHED_PER_LISTED)
+        kept = (self.ledger.daemon.listing(stream.name) or {}).get(CACHED_PER_LISTED)
         header = {"order": stream_order(self.config, stream), "pass": pass_, CACHED_PER_LISTED: kept}
         listing = store_listing(self.ledger, stream.source.scan_objects(), header, stream.name)
         log.info("listed %d objects under %s for pass %d", len(listing), stream.source.url, pass_)

@@ -50,7 +50,7 @@ def clear_cache(config: Config) -> dict[str, int]:
 def _refuse_live_leases(layout: CacheLayout) -> None:
     ledger = Ledger(layout.ledger)
     try:
-        leases = ledger.leases()
+        leases = ledger.leases.live()
     finally:
         ledger.close()
     if leases:

@@ -47,7 +47,7 @@ def collect_garbage(config: Config) -> dict[str, int]:
     with _opened(config) as (layout, ledger):
         done = {
             "quarantined shards deleted": len(purge_quarantine(layout, ledger)),
-            "expired leases purged": ledger.purge_expired(),
+            "expired leases purged": ledger.leases.purge_expired(),
         }
         if holder(layout.lock) is None:
             with exclusive(layout.lock, "epochcache gc"):
@@ -65,7 +65,7 @@ def _whole_ledger(layout: CacheLayout) -> Ledger:
     except LedgerError as exc:
         log.warning("%s", exc)
         return Ledger.rebuild(layout.ledger)
-    if ledger.intact():
+    if ledger.db.intact():
         return ledger
     ledger.close()
     log.warning("the ledger %s is damaged (PRAGMA quick_check)", layout.ledger)

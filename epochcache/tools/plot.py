@@ -29,7 +29,7 @@ def plot_cache(config: Config, out: Path) -> int:
     layout = existing_layout(config)
     ledger = Ledger(layout.ledger)
     try:
-        epochs = ledger.epochs(last=MAX_EPOCHS)
+        epochs = ledger.leases.epochs(last=MAX_EPOCHS)
     finally:
         ledger.close()
     if not epochs:

@@ -39,9 +39,9 @@ def cache_status(config: Config) -> dict[str, Any]:
     try:
         usage = ledger.usage()
         now = time.time()
-        cursor = ledger.cursor()
-        skipped = ledger.skipped()
-        daemon = daemon_status(layout, ledger.daemon_state(), now)
+        cursor = ledger.daemon.cursor()
+        skipped = ledger.daemon.skipped()
+        daemon = daemon_status(layout, ledger.daemon.status(), now)
         return {
             "cache_dir": str(layout.root),
             "source": ", ".join(source.url for source in config.sources),
@@ -65,12 +65,12 @@ def cache_status(config: Config) -> dict[str, Any]:
             "leases": [
                 {"owner": lease["owner"], "shards": lease["shards"],
                  "age_s": round(now - lease.get("taken", now), 1), "expires_in_s": round(lease["expires"] - now, 1)}
-                for lease in ledger.leases(with_shards=False)
+                for lease in ledger.leases.live(with_shards=False)
             ],
             "evictions": _evictions(ledger.counters()),
             "quarantined": [
                 {"id": q.record.id, "bytes": q.record.nbytes, "reason": q.reason, "age_s": round(now - q.at, 1)}
-                for q in ledger.quarantined()
+                for q in ledger.quarantine.entries()
             ],
             "skipped_units": len(skipped),
             "skipped": [

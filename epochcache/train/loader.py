@@ -109,7 +109,7 @@ class _Epoch:
         self.info, self.lease, self.shards, self._source, self._pin = info, lease, shards, source, pin
         self.unverified = unverified  # the epoch's shards not yet checksummed on this host
         self.quarantines = quarantines  # the ledger's count of quarantined shards before its snapshot
-        # the ledger's version (Ledger.version: it changes with other connections' commits, quarantines
+        # the ledger's version (ledger.db.version(): it changes with other connections' commits, quarantines
         # among them) once built, if that count was still the same
         self.version = version
 
@@ -293,7 +293,7 @@ class EpochCachedLoader:
             per_batch = self.config.batch_size * self._peers.local_world
             samples = min(self.config.epoch_samples or info.samples, (info.batches - info.start_batch) * per_batch)
             try:
-                self._ledger.record_epoch(current.lease.id, max(0, samples))
+                self._ledger.leases.record_epoch(current.lease.id, max(0, samples))
             except LedgerFullError as exc:  # bookkeeping: training goes on without it
                 log.warning("epoch %d not recorded for coverage and echo: %s", info.epoch, exc)
         covered = coverage_of(self._ledger)
@@ -343,7 +343,7 @@ class EpochCachedLoader:
             self._verifier.close()
         with self._held_lock:
             for lease_id in self._held:
-                self._ledger.release(lease_id)
+                self._ledger.leases.release(lease_id)
             self._held.clear()
         self._ledger.close()
 
@@ -413,13 +413,13 @@ class EpochCachedLoader:
         """The ledger's version now, if no shard was quarantined since ``quarantines`` were counted
         (counted again after reading it: a quarantine in between changes the version); else None."""
         # every quarantine is another connection's commit (the verifier's, a worker's, the daemon's)
-        version = self._ledger.version()
+        version = self._ledger.db.version()
         return version if self._quarantines() == quarantines else None
 
     def _quarantined_since(self, prepared: _Epoch) -> bool:
         """Whether a shard may have been quarantined since ``prepared``'s snapshot: not if nothing was
         committed to the ledger since it was built (one statement), else by counting again."""
-        if prepared.version is not None and self._ledger.version() == prepared.version:
+        if prepared.version is not None and self._ledger.db.version() == prepared.version:
             return False
         return self._quarantines() != prepared.quarantines
 
@@ -534,7 +534,7 @@ class EpochCachedLoader:
         changes = LedgerChanges(self._ledger)  # an empty snapshot is taken again once the daemon published
         while True:
             attempt = time.monotonic()
-            lease = self._ledger.snapshot(f"{self._owner}:epoch{epoch}", self.config.lease_ttl_s,
+            lease = self._ledger.leases.snapshot(f"{self._owner}:epoch{epoch}", self.config.lease_ttl_s,
                                           use=f"{self._peers.node_key}:epoch{epoch}")
             with self._held_lock:
                 self._held.add(lease.id)
@@ -587,7 +587,7 @@ class EpochCachedLoader:
     def _release(self, lease_id: str) -> None:
         with self._held_lock:
             self._held.discard(lease_id)
-        self._ledger.release(lease_id)
+        self._ledger.leases.release(lease_id)
 
     def _renew_leases(self) -> None:
         interval = self.config.lease_ttl_s / 3
@@ -595,7 +595,7 @@ class EpochCachedLoader:
             with self._held_lock:
                 held = list(self._held)
             for lease_id in held:
-                if not self._ledger.renew(lease_id, self.config.lease_ttl_s):
+                if not self._ledger.leases.renew(lease_id, self.config.lease_ttl_s):
                     with self._held_lock:
                         lost = lease_id in self._held  # else it was released meanwhile: no loss
                     if lost:

@@ -23,7 +23,7 @@ from epochcache.cache.lockfile import holder
 from epochcache.errors import CacheEmptyError
 
 _POLL_S = 0.2
-# How often a wait probes the ledger for a commit (Ledger.version: no table read, no transaction), so
+# How often a wait probes the ledger for a commit (ledger.db.version(): no table read, no transaction), so
 # an empty cache's first shard is in an epoch within milliseconds of its publish (~4 us a probe).
 CHANGE_POLL_S = 0.005
 # How long a wait goes on with no sync daemon running on the cache dir.
@@ -37,12 +37,12 @@ def daemon_running(layout: CacheLayout) -> bool:
 
 class LedgerChanges:
     """Commits to ``ledger`` by other connections (the daemon's publishes), seen by probing
-    :meth:`Ledger.version` every :data:`CHANGE_POLL_S`. Make it before the first look at the state it
+    ``ledger.db.version()`` every :data:`CHANGE_POLL_S`. Make it before the first look at the state it
     guards, so that no commit between that look and the wait goes unseen."""
 
     def __init__(self, ledger: Ledger):
         self._ledger = ledger
-        self._seen = ledger.version()
+        self._seen = ledger.db.version()
 
     def wait(self, stop: threading.Event, timeout_s: float = _POLL_S) -> bool:
         """True as soon as the ledger changed since this object last said so (or was made); False once
@@ -50,7 +50,7 @@ class LedgerChanges:
         :class:`Patience` again), or ``stop`` is set."""
         deadline = time.monotonic() + timeout_s
         while True:
-            version = self._ledger.version()
+            version = self._ledger.db.version()
             if version != self._seen:
                 self._seen = version
                 return True

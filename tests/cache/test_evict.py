@@ -149,7 +149,7 @@ def test_indexed_policies_walk_an_index_never_sort_the_cache(tmp_path: Path, pol
     statements = [sql for stage in policy.stages() or [] for sql in walks(stage)]
     assert statements
     for sql in statements:
-        plan = [row[3] for row in ledger._db().execute(
+        plan = [row[3] for row in ledger.db.connection().execute(
             f"EXPLAIN QUERY PLAN {sql}", {"g": 0, "t": 0.0, "at_least": 1, "below": 3})]
         assert "USING" in plan[0] and "INDEX" in plan[0], plan
         assert "USE TEMP B-TREE FOR ORDER BY" not in plan, plan
@@ -161,7 +161,7 @@ def test_random_eviction_looks_up_rows_never_scans(tmp_path: Path) -> None:
     ledger = Ledger(tmp_path / "ledger")
     for stage in MinUses(MaxUses(Random(), 3), 1).stages() or []:
         for sql in (SPAN, draw(stage)):
-            plan = [row[3] for row in ledger._db().execute(
+            plan = [row[3] for row in ledger.db.connection().execute(
                 f"EXPLAIN QUERY PLAN {sql}", {"n": 1, "g": 0, "t": 0.0, "at_least": 1, "below": 3})]
             assert not [step for step in plan if step.startswith("SCAN shards")], (sql, plan)
     ledger.close()
@@ -174,12 +174,12 @@ def test_indexed_eviction_matches_the_policy_order(tmp_path: Path) -> None:
                            checksum="0" * 32, units=(f"u{i}",)) for i in range(40)]
     ledger.adopt(records)
     for i in range(0, 40, 3):  # uneven uses and recency
-        ledger.release(ledger.snapshot("t", 60).id)
+        ledger.leases.release(ledger.leases.snapshot("t", 60).id)
         ledger.drop([f"s{i}"])
         ledger.adopt([records[i]])
     for policy in (Fifo(), Lru(), MostUsed(), MaxUses(Lru(), 3), MinUses(Lru(), 2), MinUses(MaxUses(Fifo(), 4), 3)):
         expected = [r.id for r in policy(ledger.shards(), 95)]
-        assert [r.id for r in _choose(ledger._db(), policy, 95)] == expected, policy
+        assert [r.id for r in _choose(ledger.db.connection(), policy, 95)] == expected, policy
     ledger.close()
 
 
@@ -196,8 +196,8 @@ def test_auto_low_watermark_keeps_nine_tenths_of_the_budget_for_the_next_epoch_a
     filling = Publisher(layout, ledger, cache, stop, evict=False)
     while filling.publish(table, [f"u{ledger.usage().shards}"], None) is not None:
         pass
-    ledger.release(ledger.snapshot("epoch-1", ttl_s=60).id)  # every shard used once: cache.min_uses
-    trainer = ledger.snapshot("epoch-2", ttl_s=60)
+    ledger.leases.release(ledger.leases.snapshot("epoch-1", ttl_s=60).id)  # every shard used once: cache.min_uses
+    trainer = ledger.leases.snapshot("epoch-2", ttl_s=60)
     published: list[Published | None] = []
     writer = threading.Thread(target=lambda: published.append(
         Publisher(layout, ledger, cache, stop).publish(table, ["new"], None)))
@@ -206,12 +206,12 @@ def test_auto_low_watermark_keeps_nine_tenths_of_the_budget_for_the_next_epoch_a
         wait_for(lambda: ledger.usage().retiring_bytes)
         shard = trainer.shards[0].nbytes
         assert ledger.usage().retiring_bytes >= 2 * shard, "more than the next shard's room goes"
-        probe = ledger.snapshot("epoch-3", ttl_s=60)
-        ledger.release(probe.id)
+        probe = ledger.leases.snapshot("epoch-3", ttl_s=60)
+        ledger.leases.release(probe.id)
         assert sum(r.nbytes for r in probe.shards) >= EPOCH_FILL * budget
         assert not published, "the retired shards are leased: the publish waits"
     finally:
-        ledger.release(trainer.id)
+        ledger.leases.release(trainer.id)
         writer.join(30)
     assert published and published[0] is not None and len(published[0].evicted) >= 2
     assert sum(f.stat().st_size for f in layout.root.rglob("*") if f.is_file()) <= budget

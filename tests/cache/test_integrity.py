@@ -60,7 +60,7 @@ def test_corrupt_shards_are_quarantined_and_the_epoch_completes(
         first = list(loader)
         info = loader.last_epoch
         # the unverified shard is checksummed after the first batch, off the batch path, and quarantined
-        wait_for(lambda: flipped.id in {q.record.id for q in ledger.quarantined()}, timeout=10)
+        wait_for(lambda: flipped.id in {q.record.id for q in ledger.quarantine.entries()}, timeout=10)
         second = _ids(list(loader))
         assert loader.last_epoch is not None and loader.last_epoch.skipped_shards == 0
 
@@ -70,7 +70,7 @@ def test_corrupt_shards_are_quarantined_and_the_epoch_completes(
     assert sum(len(b["id"]) for b in first) in (readable, readable - flipped.rows)
     bad_rows = flipped.rows + truncated.rows + garbled.rows
     assert len(second) == FILES * GROUPS * ROWS_PER_GROUP - bad_rows == len(set(second))
-    assert {q.record.id for q in ledger.quarantined()} == {flipped.id, truncated.id, garbled.id}
+    assert {q.record.id for q in ledger.quarantine.entries()} == {flipped.id, truncated.id, garbled.id}
     assert sorted(p.name for p in layout.quarantine.iterdir()) == sorted(
         [flipped.filename, truncated.filename, garbled.filename]
     )
@@ -135,7 +135,7 @@ def test_disk_full_publishes_nothing_backs_off_and_resumes(
     monkeypatch.setattr(shards, "_write_file", write_or_fail)
     units = UnitLog()
     daemon = DaemonThread(units.daemon(config))
-    state = wait_for(lambda: (s := ledger.daemon_state()) and s["state"] == "disk full, backing off" and s)
+    state = wait_for(lambda: (s := ledger.daemon.status()) and s["state"] == "disk full, backing off" and s)
     assert "No space left" in state["error"]
     wait_for(lambda: len(failures) >= 2, timeout=10)  # it retried after backing off
     assert ledger.shards() == [] and ledger.counters().get("published", 0) == 0
@@ -144,7 +144,7 @@ def test_disk_full_publishes_nothing_backs_off_and_resumes(
 
     disk_full.clear()
     wait_for(lambda: len(ledger.shards()) >= 3, timeout=30)
-    wait_for(lambda: ledger.daemon_state()["state"] == "running", timeout=10)
+    wait_for(lambda: ledger.daemon.status()["state"] == "running", timeout=10)
     daemon.stop()
     assert check(layout, ledger, checksums=True).problems == 0
     assert not list(layout.shards.glob("*" + TMP_SUFFIX))

@@ -53,8 +53,8 @@ def ids(records: Sequence[ShardRecord] | None) -> list[str]:
 
 def retiring_ids(ledger: Ledger) -> list[str]:
     """Published shards a fresh snapshot leaves out (the retiring set); the probe lease is released."""
-    probe = ledger.snapshot("probe", ttl_s=60)
-    ledger.release(probe.id)
+    probe = ledger.leases.snapshot("probe", ttl_s=60)
+    ledger.leases.release(probe.id)
     in_snapshot = {r.id for r in probe.shards}
     return [r.id for r in ledger.shards() if r.id not in in_snapshot]
 
@@ -64,9 +64,9 @@ def retiring_ids(ledger: Ledger) -> list[str]:
 
 def test_empty_ledger(ledger: Ledger) -> None:
     assert ledger.shards() == []
-    assert ledger.leases() == []
-    assert ledger.cursor() is None
-    assert ledger.listing() is None
+    assert ledger.leases.live() == []
+    assert ledger.daemon.cursor() is None
+    assert ledger.daemon.listing() is None
     usage = ledger.usage()
     assert (usage.shard_bytes, usage.reserved_bytes, usage.shards, usage.rows, usage.leases) == (0, 0, 0, 0, 0)
     assert usage.ledger_bytes > 0
@@ -98,10 +98,10 @@ def test_publish_moves_cursor_and_frees_reservation(ledger: Ledger) -> None:
     assert ledger.usage().reserved_bytes == S
     ledger.publish(record(1), cursor={"pass_": 0, "obj": 2, "unit": 3})
     assert ledger.usage().reserved_bytes == 0
-    assert ledger.cursor() == {"pass_": 0, "obj": 2, "unit": 3}
+    assert ledger.daemon.cursor() == {"pass_": 0, "obj": 2, "unit": 3}
     # Publishing without a cursor leaves it where it was.
     ledger.publish(record(2))
-    assert ledger.cursor() == {"pass_": 0, "obj": 2, "unit": 3}
+    assert ledger.daemon.cursor() == {"pass_": 0, "obj": 2, "unit": 3}
 
 
 def test_drop_forgets_records(ledger: Ledger) -> None:
@@ -118,7 +118,7 @@ def test_snapshot_lease_and_release(ledger: Ledger) -> None:
     records = [record(1), record(2)]
     publish_all(ledger, records)
     before = time.time()
-    lease = ledger.snapshot("trainer-1", ttl_s=60)
+    lease = ledger.leases.snapshot("trainer-1", ttl_s=60)
     assert lease.shards == tuple(dataclasses.replace(r, units=()) for r in records), "records without unit keys"
     assert lease.owner == "trainer-1"
     assert before + 59 < lease.expires < time.time() + 61
@@ -126,26 +126,26 @@ def test_snapshot_lease_and_release(ledger: Ledger) -> None:
     ledger.publish(record(3))
     assert ids(list(lease.shards)) == ["s1", "s2"]
 
-    (live,) = ledger.leases()
+    (live,) = ledger.leases.live()
     assert live["id"] == lease.id
     assert live["owner"] == "trainer-1"
     assert live["shards"] == ["s1", "s2"]
     assert live["expires"] == pytest.approx(lease.expires)
     assert ledger.usage().leases == 1
 
-    ledger.release(lease.id)
-    assert ledger.leases() == []
+    ledger.leases.release(lease.id)
+    assert ledger.leases.live() == []
     assert ledger.usage().leases == 0
 
 
 def test_two_leases_are_independent(ledger: Ledger) -> None:
     publish_all(ledger, [record(1)])
-    first = ledger.snapshot("a", ttl_s=60)
-    second = ledger.snapshot("b", ttl_s=60)
+    first = ledger.leases.snapshot("a", ttl_s=60)
+    second = ledger.leases.snapshot("b", ttl_s=60)
     assert first.id != second.id
-    assert {x["owner"] for x in ledger.leases()} == {"a", "b"}
-    ledger.release(first.id)
-    assert [x["id"] for x in ledger.leases()] == [second.id]
+    assert {x["owner"] for x in ledger.leases.live()} == {"a", "b"}
+    ledger.leases.release(first.id)
+    assert [x["id"] for x in ledger.leases.live()] == [second.id]
 
 
 # A lease taken for a process of another host: only its TTL can end it.
@@ -154,29 +154,29 @@ ELSEWHERE = Owner("another-host/boot", 1, 0)
 
 def test_lease_expires(ledger: Ledger) -> None:
     publish_all(ledger, [record(1)])
-    lease = ledger.snapshot("short", ttl_s=0.2, holder=ELSEWHERE)
-    assert [x["id"] for x in ledger.leases()] == [lease.id]
-    wait_for(lambda: ledger.leases() == [], timeout=10)
+    lease = ledger.leases.snapshot("short", ttl_s=0.2, holder=ELSEWHERE)
+    assert [x["id"] for x in ledger.leases.live()] == [lease.id]
+    wait_for(lambda: ledger.leases.live() == [], timeout=10)
     assert ledger.usage().leases == 0
-    assert ledger.renew(lease.id, ttl_s=60) is False  # too late: it had expired
+    assert ledger.leases.renew(lease.id, ttl_s=60) is False  # too late: it had expired
 
 
 def test_renew_extends(ledger: Ledger) -> None:
     publish_all(ledger, [record(1)])
-    lease = ledger.snapshot("trainer", ttl_s=0.3)
-    assert ledger.renew(lease.id, ttl_s=60) is True
-    (live,) = ledger.leases()
+    lease = ledger.leases.snapshot("trainer", ttl_s=0.3)
+    assert ledger.leases.renew(lease.id, ttl_s=60) is True
+    (live,) = ledger.leases.live()
     assert live["expires"] > time.time() + 50
     # Well past the original expiry, the renewed lease is still live.
     wait_for(lambda: time.time() > lease.expires + 0.3, timeout=5)
-    assert [x["id"] for x in ledger.leases()] == [lease.id]
+    assert [x["id"] for x in ledger.leases.live()] == [lease.id]
 
 
 def test_renew_released_lease_fails(ledger: Ledger) -> None:
-    lease = ledger.snapshot("trainer", ttl_s=60)
-    ledger.release(lease.id)
-    assert ledger.renew(lease.id, ttl_s=60) is False
-    assert ledger.leases() == []
+    lease = ledger.leases.snapshot("trainer", ttl_s=60)
+    ledger.leases.release(lease.id)
+    assert ledger.leases.renew(lease.id, ttl_s=60) is False
+    assert ledger.leases.live() == []
 
 
 # -- budget ---------------------------------------------------------------------------------------
@@ -222,7 +222,7 @@ def test_make_room_over_budget_evicts_oldest(ledger: Ledger) -> None:
 
 def test_make_room_never_returns_leased_shard(ledger: Ledger) -> None:
     publish_all(ledger, [record(0)])
-    lease = ledger.snapshot("trainer", ttl_s=60)  # holds s0, the oldest
+    lease = ledger.leases.snapshot("trainer", ttl_s=60)  # holds s0, the oldest
     publish_all(ledger, [record(1), record(2)])
     budget = 3 * S + SLACK
     # Fifo picks s0, which is in use: it retires and the caller waits; the newer, unread s1 stays.
@@ -230,7 +230,7 @@ def test_make_room_never_returns_leased_shard(ledger: Ledger) -> None:
     assert ids(ledger.shards()) == ["s0", "s1", "s2"]
     assert retiring_ids(ledger) == ["s0"]
     assert ledger.usage().reserved_bytes == 0
-    ledger.release(lease.id)
+    ledger.leases.release(lease.id)
     assert ids(ledger.make_room(S, budget, Fifo())) == ["s0"]
     assert ids(ledger.shards()) == ["s1", "s2"]
 
@@ -240,10 +240,10 @@ def test_victims_never_leased_and_budget_kept_over_many_epochs(ledger: Ledger) -
     leases: list[str] = []
     for step in range(24):
         if step % 3 == 0:  # a new epoch starts on the current shard set; the epoch before last ends
-            leases.append(ledger.snapshot(f"epoch-{step}", ttl_s=60).id)
+            leases.append(ledger.leases.snapshot(f"epoch-{step}", ttl_s=60).id)
             if len(leases) > 2:
-                ledger.release(leases.pop(0))
-        leased = {sid for lease in ledger.leases() for sid in lease["shards"]}
+                ledger.leases.release(leases.pop(0))
+        leased = {sid for lease in ledger.leases.live() for sid in lease["shards"]}
         victims = ledger.make_room(S, budget, Fifo())
         if victims is None:
             assert ledger.usage().reserved_bytes == 0
@@ -258,7 +258,7 @@ def test_victims_never_leased_and_budget_kept_over_many_epochs(ledger: Ledger) -
 def test_make_room_blocked_by_leases_retires_then_evicts(ledger: Ledger) -> None:
     records = [record(i) for i in range(3)]
     publish_all(ledger, records)
-    lease = ledger.snapshot("trainer", ttl_s=60)
+    lease = ledger.leases.snapshot("trainer", ttl_s=60)
     budget = 3 * S + SLACK
 
     assert ledger.make_room(S, budget, Fifo()) is None
@@ -267,12 +267,12 @@ def test_make_room_blocked_by_leases_retires_then_evicts(ledger: Ledger) -> None
     assert ledger.counters().get("evicted", 0) == 0
 
     # The oldest shard is retiring: the next epoch's snapshot leaves it out.
-    nxt = ledger.snapshot("trainer", ttl_s=60)
+    nxt = ledger.leases.snapshot("trainer", ttl_s=60)
     assert ids(list(nxt.shards)) == ["s1", "s2"]
     assert retiring_ids(ledger) == ["s0"]
 
     # The old epoch ends while the new one is held: the retiring shard goes, the new lease holds.
-    ledger.release(lease.id)
+    ledger.leases.release(lease.id)
     victims = ledger.make_room(S, budget, Fifo())
     assert ids(victims) == ["s0"]
     assert ids(ledger.shards()) == ["s1", "s2"]
@@ -284,12 +284,12 @@ def test_make_room_blocked_by_leases_retires_then_evicts(ledger: Ledger) -> None
 def test_make_room_after_release_evicts_retiring_first(ledger: Ledger) -> None:
     # The retiring shard is not the oldest unleased one: it still goes first.
     publish_all(ledger, [record(0), record(1)])
-    lease = ledger.snapshot("trainer", ttl_s=60)
+    lease = ledger.leases.snapshot("trainer", ttl_s=60)
     budget = 2 * S + SLACK
     newest_first = lambda cands, need: take_until(sorted(cands, key=lambda r: -r.created), need)  # noqa: E731
     assert ledger.make_room(S, budget, newest_first) is None
     assert retiring_ids(ledger) == ["s1"]  # this chooser picks the newest
-    ledger.release(lease.id)
+    ledger.leases.release(lease.id)
     assert ids(ledger.make_room(S, budget, Fifo())) == ["s1"]
     assert ids(ledger.shards()) == ["s0"]
 
@@ -297,7 +297,7 @@ def test_make_room_after_release_evicts_retiring_first(ledger: Ledger) -> None:
 def test_repeated_make_room_while_blocked_does_not_retire_more(ledger: Ledger) -> None:
     records = [record(i) for i in range(5)]
     publish_all(ledger, records)
-    ledger.snapshot("trainer", ttl_s=60)
+    ledger.leases.snapshot("trainer", ttl_s=60)
     budget = 5 * S + SLACK
     need = 5 * S + 2 * S - budget  # 1.5 S, plus the ledger's own bytes
     for _ in range(5):
@@ -312,7 +312,7 @@ def test_repeated_make_room_while_blocked_does_not_retire_more(ledger: Ledger) -
 
 def test_make_room_with_empty_chooser_never_retires(ledger: Ledger) -> None:
     publish_all(ledger, [record(0), record(1)])
-    ledger.snapshot("trainer", ttl_s=60)
+    ledger.leases.snapshot("trainer", ttl_s=60)
     assert ledger.make_room(S, 2 * S + SLACK, lambda *_: []) is None
     assert retiring_ids(ledger) == []
     assert len(ledger.shards()) == 2
@@ -320,7 +320,7 @@ def test_make_room_with_empty_chooser_never_retires(ledger: Ledger) -> None:
 
 def test_clear_retiring_returns_shards_to_snapshots(ledger: Ledger) -> None:
     publish_all(ledger, [record(0), record(1)])
-    ledger.snapshot("trainer", ttl_s=60)
+    ledger.leases.snapshot("trainer", ttl_s=60)
     assert ledger.make_room(S, 2 * S + SLACK, Fifo()) is None
     assert retiring_ids(ledger) == ["s0"]
     ledger.clear_retiring()
@@ -329,15 +329,15 @@ def test_clear_retiring_returns_shards_to_snapshots(ledger: Ledger) -> None:
 
 def test_expired_lease_does_not_protect(ledger: Ledger) -> None:
     publish_all(ledger, [record(0), record(1)])
-    ledger.snapshot("trainer", ttl_s=0.2, holder=ELSEWHERE)
-    wait_for(lambda: ledger.leases() == [], timeout=10)
+    ledger.leases.snapshot("trainer", ttl_s=0.2, holder=ELSEWHERE)
+    wait_for(lambda: ledger.leases.live() == [], timeout=10)
     assert ids(ledger.make_room(S, 2 * S + SLACK, Fifo())) == ["s0"]
 
 
 def test_blocked_make_room_retires_enough_leased_bytes(ledger: Ledger) -> None:
     # s1, s2 leased; s0 unleased but older (created 0.0, e.g. a clock step back) and only half a shard.
     publish_all(ledger, [record(1), record(2)])
-    old_epoch = ledger.snapshot("trainer", ttl_s=60)
+    old_epoch = ledger.leases.snapshot("trainer", ttl_s=60)
     ledger.publish(record(0, nbytes=S // 2))
     budget = 3 * S
     # 2.5 S used + S wanted - 3 S budget: 0.5 S (plus the ledger's bytes) must go; s0 alone is not enough.
@@ -345,8 +345,8 @@ def test_blocked_make_room_retires_enough_leased_bytes(ledger: Ledger) -> None:
     # Enough *leased* bytes must now be retiring to cover what s0 cannot.
     assert "s1" in retiring_ids(ledger)
     # So the next epoch leaves s1 out, and once the old epoch ends the room can be made.
-    ledger.snapshot("trainer", ttl_s=60)
-    ledger.release(old_epoch.id)
+    ledger.leases.snapshot("trainer", ttl_s=60)
+    ledger.leases.release(old_epoch.id)
     victims = ledger.make_room(S, budget, Fifo())
     assert victims is not None
     assert "s1" in ids(victims)
@@ -356,13 +356,13 @@ def test_blocked_make_room_retires_enough_leased_bytes(ledger: Ledger) -> None:
 
 
 def test_cursor_and_listing_round_trip(ledger: Ledger) -> None:
-    ledger.set_cursor({"pass_": 3, "obj": 7, "unit": 1})
-    assert ledger.cursor() == {"pass_": 3, "obj": 7, "unit": 1}
+    ledger.daemon.set_cursor({"pass_": 3, "obj": 7, "unit": 1})
+    assert ledger.daemon.cursor() == {"pass_": 3, "obj": 7, "unit": 1}
     listing = {"url": "s3://b/p", "objects": [["b/p/a.parquet", 123], ["b/p/b.parquet", 456]], "seed": 4}
-    ledger.set_listing(listing)
-    assert ledger.listing() == listing
-    ledger.set_cursor({"pass_": 4, "obj": 0, "unit": 0})
-    assert ledger.cursor() == {"pass_": 4, "obj": 0, "unit": 0}
+    ledger.daemon.set_listing("", listing)
+    assert ledger.daemon.listing() == listing
+    ledger.daemon.set_cursor({"pass_": 4, "obj": 0, "unit": 0})
+    assert ledger.daemon.cursor() == {"pass_": 4, "obj": 0, "unit": 0}
 
 
 def test_counters(ledger: Ledger) -> None:
@@ -382,17 +382,17 @@ def test_second_ledger_on_same_directory_sees_same_data(tmp_path: Path) -> None:
     trainer_side = Ledger(tmp_path / "ledger")
     try:
         publish_all(daemon_side, [record(0), record(1)])
-        daemon_side.set_cursor({"pass_": 0, "obj": 1, "unit": 0})
+        daemon_side.daemon.set_cursor({"pass_": 0, "obj": 1, "unit": 0})
         assert trainer_side.shards() == daemon_side.shards()
-        assert trainer_side.cursor() == {"pass_": 0, "obj": 1, "unit": 0}
+        assert trainer_side.daemon.cursor() == {"pass_": 0, "obj": 1, "unit": 0}
 
-        lease = trainer_side.snapshot("trainer", ttl_s=60)
-        assert [x["id"] for x in daemon_side.leases()] == [lease.id]
+        lease = trainer_side.leases.snapshot("trainer", ttl_s=60)
+        assert [x["id"] for x in daemon_side.leases.live()] == [lease.id]
         # The daemon's eviction respects the lease taken through the other object.
         assert daemon_side.make_room(S, 2 * S + SLACK, Fifo()) is None
-        assert ids(list(trainer_side.snapshot("t2", ttl_s=60).shards)) == ["s1"]
+        assert ids(list(trainer_side.leases.snapshot("t2", ttl_s=60).shards)) == ["s1"]
 
-        trainer_side.release(lease.id)
+        trainer_side.leases.release(lease.id)
         assert ids(daemon_side.make_room(S, 2 * S + SLACK, Fifo())) == ["s0"]
         assert ids(trainer_side.shards()) == ["s1"]
         usage = trainer_side.usage()
@@ -407,12 +407,12 @@ def test_second_ledger_on_same_directory_sees_same_data(tmp_path: Path) -> None:
 def test_reopened_ledger_keeps_data(tmp_path: Path) -> None:
     first = Ledger(tmp_path / "ledger")
     publish_all(first, [record(0)])
-    first.set_listing({"objects": []})
+    first.daemon.set_listing("", {"objects": []})
     first.close()
     again = Ledger(tmp_path / "ledger")
     try:
         assert ids(again.shards()) == ["s0"]
-        assert again.listing() == {"objects": []}
+        assert again.daemon.listing() == {"objects": []}
         assert again.counters() == {"published": 1}
     finally:
         again.close()
@@ -430,10 +430,10 @@ def test_eviction_runs_in_batches_down_to_evict_to(ledger: Ledger) -> None:
 def test_leased_cache_retires_a_batch_per_epoch(ledger: Ledger) -> None:
     publish_all(ledger, [record(i) for i in range(10)])
     budget = 10 * S + SLACK
-    epoch = ledger.snapshot("trainer", ttl_s=60)
+    epoch = ledger.leases.snapshot("trainer", ttl_s=60)
     assert ledger.make_room(S, budget, Fifo(), evict_to=7 * S + SLACK) is None
     assert retiring_ids(ledger) == ["s0", "s1", "s2", "s3"], "the next epoch leaves the whole batch out"
-    ledger.release(epoch.id)
+    ledger.leases.release(epoch.id)
     assert ids(ledger.make_room(S, budget, Fifo(), evict_to=7 * S + SLACK)) == ["s0", "s1", "s2", "s3"]
 
 
@@ -441,9 +441,9 @@ def test_ledger_is_charged_its_files_plus_a_reserve(ledger: Ledger, tmp_path: Pa
     folder = tmp_path / "ledger"
     assert ledger.disk_bytes() == 2 * (folder / "ledger.sqlite3").stat().st_size + LEDGER_RESERVE
     publish_all(ledger, [record(i) for i in range(200)])
-    lease = ledger.snapshot("t", ttl_s=60)
-    ledger.record_epoch(lease.id, 200)  # the first epoch marks every record trained in one transaction
-    ledger.release(lease.id)
+    lease = ledger.leases.snapshot("t", ttl_s=60)
+    ledger.leases.record_epoch(lease.id, 200)  # the first epoch marks every record trained in one transaction
+    ledger.leases.release(lease.id)
     real = sum(p.stat().st_size for p in folder.iterdir())
     assert real <= ledger.disk_bytes(), "the database, its WAL and shared memory fit in the charge"
     assert (folder / "ledger.sqlite3-wal").stat().st_size <= LEDGER_RESERVE // 2, "checkpoints keep the WAL small"
@@ -455,24 +455,24 @@ def test_ledger_is_charged_its_files_plus_a_reserve(ledger: Ledger, tmp_path: Pa
 def test_snapshot_counts_uses_in_the_same_transaction(ledger: Ledger) -> None:
     publish_all(ledger, [record(1), record(2)])
     before = time.time()
-    first = ledger.snapshot("t", ttl_s=60)
+    first = ledger.leases.snapshot("t", ttl_s=60)
     assert [(r.uses, r.last_used) for r in first.shards] == [(0, None), (0, None)], "a lease's records: no counts"
     ledger.publish(record(3))
     assert {r.id: r.uses for r in ledger.shards()} == {"s1": 1, "s2": 1, "s3": 0}
-    second = ledger.snapshot("t", ttl_s=60)
+    second = ledger.leases.snapshot("t", ttl_s=60)
     assert ids(list(second.shards)) == ["s1", "s2", "s3"]
     by_id = {r.id: r for r in ledger.shards()}
     assert (by_id["s1"].uses, by_id["s2"].uses, by_id["s3"].uses) == (2, 2, 1)
     assert before <= by_id["s1"].last_used <= time.time()
     assert by_id["s1"].last_used == by_id["s3"].last_used, "both last used by the second snapshot"
-    assert ledger.leases()[0]["taken"] >= before
+    assert ledger.leases.live()[0]["taken"] >= before
 
 
 def test_evictions_counted_per_policy_label(ledger: Ledger) -> None:
     from epochcache.cache.evict import MaxUses
 
     publish_all(ledger, [record(i) for i in range(4)])
-    ledger.release(ledger.snapshot("t", ttl_s=60).id)  # every shard used once
+    ledger.leases.release(ledger.leases.snapshot("t", ttl_s=60).id)  # every shard used once
     ledger.publish(record(9))
     policy = MaxUses(Fifo(), max_uses=1)
     victims = ledger.make_room(S, budget=5 * S + SLACK, choose=policy, evict_to=3 * S + SLACK)
@@ -487,10 +487,10 @@ def test_evictions_counted_per_policy_label(ledger: Ledger) -> None:
 
 def test_quarantine_keeps_bytes_charged_until_forgotten(ledger: Ledger) -> None:
     publish_all(ledger, [record(1), record(2)])
-    assert ledger.quarantine("s1", "bit flip") == record(1)
-    assert ledger.quarantine("s1", "again") is None  # already out of the shard set
+    assert ledger.quarantine.add("s1", "bit flip") == record(1)
+    assert ledger.quarantine.add("s1", "again") is None  # already out of the shard set
     assert ids(ledger.shards()) == ["s2"]
-    (entry,) = ledger.quarantined()
+    (entry,) = ledger.quarantine.entries()
     assert (entry.record, entry.reason) == (record(1), "bit flip")
     usage = ledger.usage()
     assert (usage.shard_bytes, usage.quarantined_bytes) == (S, S)
@@ -498,8 +498,8 @@ def test_quarantine_keeps_bytes_charged_until_forgotten(ledger: Ledger) -> None:
     # Quarantined bytes block a reservation like any other bytes, and are never evicted by a policy.
     assert ledger.make_room(S, budget=2 * S + SLACK, choose=lambda *_: []) is None
     assert ledger.counters()["quarantined"] == 1
-    ledger.forget_quarantined(["s1"])
-    assert ledger.quarantined() == [] and ledger.usage().quarantined_bytes == 0
+    ledger.quarantine.forget(["s1"])
+    assert ledger.quarantine.entries() == [] and ledger.usage().quarantined_bytes == 0
     assert ledger.make_room(S, budget=2 * S + SLACK, choose=lambda *_: []) == []
 
 
@@ -511,18 +511,18 @@ def test_adopt_records_and_counts(ledger: Ledger) -> None:
 
 
 def test_daemon_state_round_trip(ledger: Ledger) -> None:
-    assert ledger.daemon_state() is None
-    ledger.set_daemon_state({"pid": 7, "state": "backpressure", "since": 1.0})
-    assert ledger.daemon_state() == {"pid": 7, "state": "backpressure", "since": 1.0}
+    assert ledger.daemon.status() is None
+    ledger.daemon.set_status({"pid": 7, "state": "backpressure", "since": 1.0})
+    assert ledger.daemon.status() == {"pid": 7, "state": "backpressure", "since": 1.0}
 
 
 def test_purge_expired_removes_dead_leases(ledger: Ledger) -> None:
     publish_all(ledger, [record(1)])
-    ledger.snapshot("short", ttl_s=0.05, holder=ELSEWHERE)
-    keep = ledger.snapshot("long", ttl_s=60)
-    wait_for(lambda: len(ledger.leases()) == 1, timeout=10)
-    assert ledger.purge_expired() == 1
-    assert [lease["id"] for lease in ledger.leases()] == [keep.id]
+    ledger.leases.snapshot("short", ttl_s=0.05, holder=ELSEWHERE)
+    keep = ledger.leases.snapshot("long", ttl_s=60)
+    wait_for(lambda: len(ledger.leases.live()) == 1, timeout=10)
+    assert ledger.leases.purge_expired() == 1
+    assert [lease["id"] for lease in ledger.leases.live()] == [keep.id]
 
 
 def test_opening_retries_while_the_database_is_locked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -548,9 +548,9 @@ def test_opening_retries_while_the_database_is_locked(tmp_path: Path, monkeypatc
 
 
 def _epoch(ledger: Ledger, samples: int) -> None:
-    lease = ledger.snapshot("t", ttl_s=60)
-    ledger.record_epoch(lease.id, samples)
-    ledger.release(lease.id)
+    lease = ledger.leases.snapshot("t", ttl_s=60)
+    ledger.leases.record_epoch(lease.id, samples)
+    ledger.leases.release(lease.id)
 
 
 def test_each_epoch_run_is_recorded_with_distinct_samples_at_unit_level(ledger: Ledger) -> None:
@@ -560,33 +560,33 @@ def test_each_epoch_run_is_recorded_with_distinct_samples_at_unit_level(ledger: 
     first = dataclasses.replace(record(1), units=("a#0", "a#1"))  # 100 rows, 2 units
     ledger.publish(first)
     ledger.incr("fetched_bytes", 500)
-    ledger.release(ledger.snapshot("prepared-ahead", ttl_s=60).id)
-    assert ledger.epochs() == []
+    ledger.leases.release(ledger.leases.snapshot("prepared-ahead", ttl_s=60).id)
+    assert ledger.leases.epochs() == []
     _epoch(ledger, 100)
     ledger.drop(["s1"])
     again = dataclasses.replace(record(2, rows=60), units=("a#1", "b#0", "b#1"))  # a#1 back, 20 rows a unit
     ledger.publish(again)
     _epoch(ledger, 60)
     _epoch(ledger, 1000)  # a fixed epoch length
-    ended = ledger.snapshot("t", ttl_s=60)
-    ledger.release(ended.id)
-    ledger.record_epoch(ended.id, 5)  # its lease ended: no record
-    epochs = ledger.epochs(last=5)
+    ended = ledger.leases.snapshot("t", ttl_s=60)
+    ledger.leases.release(ended.id)
+    ledger.leases.record_epoch(ended.id, 5)  # its lease ended: no record
+    epochs = ledger.leases.epochs(last=5)
     assert [e["n"] for e in epochs] == [1, 2, 3]
     assert [e["samples"] for e in epochs] == [100, 60, 1000]
     assert [e["trained"] for e in epochs] == [100, 160, 1160]
     assert [e["distinct_trained"] for e in epochs] == [100, 140, 140], "a#1 is not distinct twice"
-    assert epochs[0]["fetched_bytes"] == 500 and epochs[1]["cache_bytes"] == S and ledger.epochs()[0]["n"] == 3
+    assert epochs[0]["fetched_bytes"] == 500 and epochs[1]["cache_bytes"] == S and ledger.leases.epochs()[0]["n"] == 3
 
 
 def test_the_version_changes_with_another_connections_commit_only(tmp_path: Path) -> None:
     ledger, other = Ledger(tmp_path / "ledger"), Ledger(tmp_path / "ledger")
-    first = ledger.version()
-    ledger.set_cursor({"pass": 1})  # its own commit
-    assert ledger.version() == first
-    other.set_cursor({"pass": 2})
-    second = ledger.version()
+    first = ledger.db.version()
+    ledger.daemon.set_cursor({"pass": 1})  # its own commit
+    assert ledger.db.version() == first
+    other.daemon.set_cursor({"pass": 2})
+    second = ledger.db.version()
     assert second != first
-    assert ledger.version() == second
+    assert ledger.db.version() == second
     ledger.close()
     other.close()

@@ -82,10 +82,10 @@ def test_a_version_1_ledger_is_upgraded_in_place(layout: CacheLayout) -> None:
                       "ALTER TABLE shards DROP COLUMN trained; PRAGMA user_version=1;")  # as version 1 wrote it
     con.close()
     ledger = Ledger(layout.ledger)
-    assert ledger.shards() == records and ledger.epochs() == []
-    lease = ledger.snapshot("t", ttl_s=60)
-    ledger.record_epoch(lease.id, 10)
-    assert ledger.epochs()[0]["distinct_trained"] == 10
+    assert ledger.shards() == records and ledger.leases.epochs() == []
+    lease = ledger.leases.snapshot("t", ttl_s=60)
+    ledger.leases.record_epoch(lease.id, 10)
+    assert ledger.leases.epochs()[0]["distinct_trained"] == 10
     ledger.close()
 
 
@@ -96,7 +96,7 @@ def test_a_version_2_ledger_is_upgraded_in_place_without_losing_counts(layout: C
     records = write_shards(layout, 4)
     ledger = Ledger(layout.ledger)
     ledger.adopt(records)
-    lease = ledger.snapshot("old-trainer", ttl_s=60)  # live across the upgrade (taken with no use counted yet)
+    lease = ledger.leases.snapshot("old-trainer", ttl_s=60)  # live across the upgrade (taken with no use counted yet)
     ledger.close()
     as_version_2(layout.ledger / DB_NAME)
     counts = {"0000-shard": (5, 100.0), "0001-shard": (2, 300.0), "0002-shard": (7, 200.0), "0003-shard": (0, None)}
@@ -108,20 +108,21 @@ def test_a_version_2_ledger_is_upgraded_in_place_without_losing_counts(layout: C
     con.close()
     ledger = Ledger(layout.ledger)
     assert {r.id: (r.uses, r.last_used) for r in ledger.shards()} == counts
-    assert [lease_["id"] for lease_ in ledger.leases()] == [lease.id]
+    assert [lease_["id"] for lease_ in ledger.leases.live()] == [lease.id]
     assert [r.id for r in MostUsed()(ledger.shards(), 1)] == ["0002-shard"]
-    assert [r.id for r in _choose(ledger._db(), MostUsed(), 1)] == ["0000-shard"], "the retiring one is not live"
-    assert [r.id for r in _choose(ledger._db(), Lru(), 1)] == ["0003-shard"], "never used: its creation counts"
+    con = ledger.db.connection()
+    assert [r.id for r in _choose(con, MostUsed(), 1)] == ["0000-shard"], "the retiring one is not live"
+    assert [r.id for r in _choose(con, Lru(), 1)] == ["0003-shard"], "never used: its creation counts"
     before = time.time()
-    assert [r.id for r in ledger.snapshot("new-trainer", ttl_s=60).shards] == ["0000-shard", "0001-shard",
+    assert [r.id for r in ledger.leases.snapshot("new-trainer", ttl_s=60).shards] == ["0000-shard", "0001-shard",
                                                                                "0003-shard"]
     after = {r.id: r for r in ledger.shards()}
     assert {sid: r.uses for sid, r in after.items()} == {"0000-shard": 6, "0001-shard": 3, "0002-shard": 7,
                                                          "0003-shard": 1}
     assert after["0002-shard"].last_used == 200.0 and before <= after["0001-shard"].last_used <= time.time()
-    assert ledger._db().execute("PRAGMA user_version").fetchone()[0] == ledger_schema.VERSION == 3
-    assert ledger._get("database"), "the upgrade names the database"
-    indexes = {name for (name,) in ledger._db().execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert con.execute("PRAGMA user_version").fetchone()[0] == ledger_schema.VERSION == 3
+    assert ledger.db.get("database"), "the upgrade names the database"
+    indexes = {name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert {"shards_fresh", "shards_wear"} <= indexes and not {"shards_recency", "shards_uses"} & indexes
     ledger.close()
 
@@ -138,7 +139,7 @@ def test_half_truncated_ledger_is_rebuilt(layout: CacheLayout) -> None:
     with pytest.raises(LedgerError, match="verify --fix"):
         damaged = Ledger(layout.ledger)
         damaged.shards()
-        assert damaged.intact()
+        assert damaged.db.intact()
     healed = _whole_ledger(layout)
     assert healed.shards() == records
     healed.close()
@@ -209,12 +210,12 @@ def test_lease_of_a_killed_owner_ends_at_once(tmp_path: Path) -> None:
     proc = _sleeper()
     try:
         started = wait_for(lambda: start_time(proc.pid), timeout=10)
-        lease = ledger.snapshot("trainer", ttl_s=600, holder=Owner(this_host(), proc.pid, started))
-        assert [x["id"] for x in ledger.leases()] == [lease.id]
+        lease = ledger.leases.snapshot("trainer", ttl_s=600, holder=Owner(this_host(), proc.pid, started))
+        assert [x["id"] for x in ledger.leases.live()] == [lease.id]
         proc.kill()
         proc.wait(10)
-        assert ledger.leases() == [], "no TTL wait for a dead owner on this host"
-        assert ledger.purge_expired() == 1
+        assert ledger.leases.live() == [], "no TTL wait for a dead owner on this host"
+        assert ledger.leases.purge_expired() == 1
     finally:
         proc.kill()
         ledger.close()
@@ -225,11 +226,11 @@ def test_lease_of_a_stopped_owner_outlives_its_ttl(tmp_path: Path) -> None:
     proc = _sleeper()
     try:
         started = wait_for(lambda: start_time(proc.pid), timeout=10)
-        lease = ledger.snapshot("trainer", ttl_s=0.1, holder=Owner(this_host(), proc.pid, started))
+        lease = ledger.leases.snapshot("trainer", ttl_s=0.1, holder=Owner(this_host(), proc.pid, started))
         proc.send_signal(signal.SIGSTOP)
         wait_for(lambda: time.time() > lease.expires + 0.3, timeout=10)
-        assert [x["id"] for x in ledger.leases()] == [lease.id], "a stopped owner still holds its shards"
-        assert ledger.renew(lease.id, 0.1)
+        assert [x["id"] for x in ledger.leases.live()] == [lease.id], "a stopped owner still holds its shards"
+        assert ledger.leases.renew(lease.id, 0.1)
         assert not Owner(this_host(), proc.pid, started + 1).alive(), "a reused pid is another process"
     finally:
         proc.kill()

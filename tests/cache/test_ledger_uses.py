@@ -33,7 +33,7 @@ def ledger(tmp_path: Path) -> Iterator[Ledger]:
 
 
 def retiring(ledger: Ledger) -> set[str]:
-    return {sid for (sid,) in ledger._db().execute("SELECT id FROM shards WHERE state = 1")}
+    return {sid for (sid,) in ledger.db.connection().execute("SELECT id FROM shards WHERE state = 1")}
 
 
 class Model:
@@ -94,13 +94,13 @@ def test_counts_stay_exact_through_trainers_retiring_quarantine_and_adoption(tmp
             model.add(r)
         elif op == "snapshot":
             trainer, before = rng.choice(trainers), time.time()
-            lease = trainer.snapshot(f"t{step}", ttl_s=60)
+            lease = trainer.leases.snapshot(f"t{step}", ttl_s=60)
             model.used([r.id for r in lease.shards], (before, time.time()))
             assert not {r.id for r in lease.shards} & retiring(daemon), "a snapshot leaves retiring shards out"
             leases.append((trainer, lease.id))
         elif op == "release" and leases:
             trainer, lease_id = leases.pop(rng.randrange(len(leases)))
-            trainer.release(lease_id)
+            trainer.leases.release(lease_id)
         elif op == "evict":
             usage = daemon.usage()
             budget = usage.total + S + PUBLISH_GROWTH - rng.randint(1, 3) * S
@@ -113,9 +113,9 @@ def test_counts_stay_exact_through_trainers_retiring_quarantine_and_adoption(tmp
             daemon.clear_retiring()
         elif op == "quarantine":
             sid = rng.choice(sorted(model.uses))
-            found = trainers[0].quarantine(sid, "damaged")
+            found = trainers[0].quarantine.add(sid, "damaged")
             assert found is not None and found.uses == model.uses[sid]
-            (moved,) = [q.record for q in trainers[0].quarantined() if q.record.id == sid]
+            (moved,) = [q.record for q in trainers[0].quarantine.entries() if q.record.id == sid]
             assert moved.uses == model.uses[sid] and moved.last_used == found.last_used
             model.forget(sid)
         model.check(trainers[1].shards())
@@ -124,26 +124,26 @@ def test_counts_stay_exact_through_trainers_retiring_quarantine_and_adoption(tmp
             for policy in POLICIES:
                 need = rng.randint(1, 6) * S
                 expected = [r.id for r in policy(live, need)]
-                assert [r.id for r in _choose(daemon._db(), policy, need)] == expected, (step, policy)
+                assert [r.id for r in _choose(daemon.db.connection(), policy, need)] == expected, (step, policy)
     for led in (daemon, *trainers):
         led.close()
 
 
 def test_a_later_lease_reuses_records_and_sees_what_changed(tmp_path: Path, ledger: Ledger) -> None:
     ledger.adopt([record(i) for i in range(20)])
-    first = ledger.snapshot("t", ttl_s=60)
+    first = ledger.leases.snapshot("t", ttl_s=60)
     assert [(r.uses, r.last_used, r.units) for r in first.shards] == [(0, None, ())] * 20, "no counts, no units"
     ledger.mark_verified(["s001"])
     ledger.publish(record(29))
-    ledger.quarantine("s002", "damaged")
-    second = ledger.snapshot("t", ttl_s=60)
+    ledger.quarantine.add("s002", "damaged")
+    second = ledger.leases.snapshot("t", ttl_s=60)
     assert [r.id for r in second.shards] == [f"s{i:03d}" for i in (0, 1, *range(3, 20), 29)]
     by_id = {r.id: r for r in second.shards}
     assert by_id["s000"] is first.shards[0], "an unchanged record is reused, not decoded again"
     assert by_id["s029"] == dataclasses.replace(record(29), units=()), "a new shard's record is read"
     assert by_id["s001"].verified and not first.shards[1].verified, "a newly verified record is read again"
     other = Ledger(tmp_path / "ledger")
-    assert other.snapshot("t", ttl_s=60).shards == second.shards, "a process's first lease reads the same"
+    assert other.leases.snapshot("t", ttl_s=60).shards == second.shards, "a process's first lease reads the same"
     other.close()
 
 
@@ -151,17 +151,17 @@ def test_random_eviction_walk_draws_every_candidate_and_only_candidates(ledger: 
     """Random victims by row-number draws: only shards the bounds allow, a seed repeats its draws,
     each candidate about equally often; with few candidates among many rows, all of them."""
     ledger.adopt([record(i) for i in range(60)])
-    ledger.release(ledger.snapshot("t", ttl_s=60).id)  # s000..s059 used once
+    ledger.leases.release(ledger.leases.snapshot("t", ttl_s=60).id)  # s000..s059 used once
     ledger.adopt([record(i) for i in range(60, 120)])  # never used: min_uses keeps them
     policy = MinUses(Random(seed=3), 1)
-    picks = [r.id for r in _choose(ledger._db(), policy, 10 * S)]
+    picks = [r.id for r in _choose(ledger.db.connection(), policy, 10 * S)]
     assert len(set(picks)) == 10 and all(int(sid[1:]) < 60 for sid in picks)
-    assert [r.id for r in _choose(ledger._db(), policy, 10 * S)] == picks, "a seed repeats its draws"
-    firsts = Counter(_choose(ledger._db(), MinUses(Random(seed=s), 1), S)[0].id for s in range(1200))
+    assert [r.id for r in _choose(ledger.db.connection(), policy, 10 * S)] == picks, "a seed repeats its draws"
+    firsts = Counter(_choose(ledger.db.connection(), MinUses(Random(seed=s), 1), S)[0].id for s in range(1200))
     assert set(firsts) == {f"s{i:03d}" for i in range(60)}
     assert max(firsts.values()) < 60, "about 20 each of 60 candidates"
     ledger.drop([f"s{i:03d}" for i in range(3, 60)])  # 3 candidates among 63 rows spread over 120
-    assert sorted(r.id for r in _choose(ledger._db(), policy, 100 * S)) == ["s000", "s001", "s002"]
+    assert sorted(r.id for r in _choose(ledger.db.connection(), policy, 100 * S)) == ["s000", "s001", "s002"]
 
 
 def test_records_kept_by_row_number_are_not_reused_from_a_rebuilt_database(tmp_path: Path) -> None:
@@ -169,15 +169,15 @@ def test_records_kept_by_row_number_are_not_reused_from_a_rebuilt_database(tmp_p
     its rows anew: the records this process kept by row number are read again, not handed out."""
     trainer = Ledger(tmp_path / "ledger")
     trainer.adopt([record(i) for i in range(20)])
-    assert [r.id for r in trainer.snapshot("t", ttl_s=60).shards][:2] == ["s000", "s001"]
-    trainer._con.close()
+    assert [r.id for r in trainer.leases.snapshot("t", ttl_s=60).shards][:2] == ["s000", "s001"]
+    trainer.db.close()
     for name in ("ledger.sqlite3", "ledger.sqlite3-wal", "ledger.sqlite3-shm"):
         (tmp_path / "ledger" / name).unlink(missing_ok=True)
     rebuilt = Ledger(tmp_path / "ledger")
     rebuilt.adopt([record(i) for i in reversed(range(20))])  # row 1 is now s019
     rebuilt.close()
-    trainer._pid = -1  # as in a forked child: the next statement reconnects, to the rebuilt database
-    lease = trainer.snapshot("t", ttl_s=60)
+    trainer.db._pid = -1  # as in a forked child: the next statement reconnects, to the rebuilt database
+    lease = trainer.leases.snapshot("t", ttl_s=60)
     assert [(r.id, r.filename) for r in lease.shards][:2] == [("s019", "s019.arrow"), ("s018", "s018.arrow")]
     trainer.close()
 
@@ -187,9 +187,9 @@ def test_snapshots_naming_one_epoch_count_one_use(ledger: Ledger) -> None:
     rank; an epoch of another name (the next epoch, another trainer) counts again."""
     ledger.adopt([record(1), record(2)])
     for owner in ("rank0", "rank1"):
-        ledger.release(ledger.snapshot(owner, 60, use="node-a:epoch0").id)
+        ledger.leases.release(ledger.leases.snapshot(owner, 60, use="node-a:epoch0").id)
     assert {r.id: r.uses for r in ledger.shards()} == {"s001": 1, "s002": 1}
-    ledger.release(ledger.snapshot("rank0", 60, use="node-a:epoch1").id)
-    ledger.release(ledger.snapshot("other", 60, use="node-b:epoch0").id)
-    ledger.release(ledger.snapshot("unnamed", 60).id)
+    ledger.leases.release(ledger.leases.snapshot("rank0", 60, use="node-a:epoch1").id)
+    ledger.leases.release(ledger.leases.snapshot("other", 60, use="node-b:epoch0").id)
+    ledger.leases.release(ledger.leases.snapshot("unnamed", 60).id)
     assert {r.id: r.uses for r in ledger.shards()} == {"s001": 4, "s002": 4}

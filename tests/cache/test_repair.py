@@ -77,14 +77,14 @@ def test_reconcile_repairs_everything(layout: CacheLayout, ledger: Ledger) -> No
     unrelated.write_text("not a shard")
 
     # A reservation for the shard being written and a retiring shard, as a crash would leave them.
-    lease = ledger.snapshot("trainer", ttl_s=60)
+    lease = ledger.leases.snapshot("trainer", ttl_s=60)
     budget = ledger.usage().total + 1
     assert ledger.make_room(10**9, budget, Fifo()) is None
-    ledger.release(lease.id)
+    ledger.leases.release(lease.id)
     assert ledger.make_room(1, budget=10**12, choose=Fifo()) == []
     assert ledger.usage().reserved_bytes == 1
-    retiring_before = ledger.snapshot("probe", ttl_s=60)
-    ledger.release(retiring_before.id)
+    retiring_before = ledger.leases.snapshot("probe", ttl_s=60)
+    ledger.leases.release(retiring_before.id)
     assert len(retiring_before.shards) < len(ledger.shards())
 
     assert check(layout, ledger) == Repairs(temp_files=2, unknown_files=1, missing_records=1)  # read-only
@@ -96,7 +96,7 @@ def test_reconcile_repairs_everything(layout: CacheLayout, ledger: Ledger) -> No
     assert [r.id for r in ledger.shards()] == ["keep"]
     assert ledger.usage().reserved_bytes == 0
     # Nothing is retiring any more: a snapshot holds every published shard.
-    snap = ledger.snapshot("after", ttl_s=60)
+    snap = ledger.leases.snapshot("after", ttl_s=60)
     assert [r.id for r in snap.shards] == ["keep"]
     assert open_shard(layout.shards / keep.filename).num_rows == 10
 
@@ -140,7 +140,7 @@ def test_checksums_find_and_quarantine_corrupt_shard(layout: CacheLayout, ledger
     assert reconcile(layout, ledger, checksums=True) == Repairs(corrupt=1)
     assert [r.id for r in ledger.shards()] == [good.id]
     assert (layout.quarantine / bad.filename).exists() and not path.exists()
-    (entry,) = ledger.quarantined()
+    (entry,) = ledger.quarantine.entries()
     assert entry.record.id == "bad" and "checksum" in entry.reason
     # The quarantined bytes are still charged to the budget.
     assert ledger.usage().quarantined_bytes == bad.nbytes
@@ -154,8 +154,8 @@ def test_a_second_quarantiner_leaves_the_record_to_the_first(layout: CacheLayout
     (layout.shards / bad.filename).replace(layout.quarantine / bad.filename)  # the first one's rename
     assert not quarantine_shard(layout, ledger, bad, "second")
     assert [r.id for r in ledger.shards()] == ["bad"]  # still there for the first one to move
-    assert ledger.quarantine(bad.id, "first") is not None  # the first one's record move
-    assert [q.record.id for q in ledger.quarantined()] == ["bad"]
+    assert ledger.quarantine.add(bad.id, "first") is not None  # the first one's record move
+    assert [q.record.id for q in ledger.quarantine.entries()] == ["bad"]
     assert ledger.usage().quarantined_bytes == bad.nbytes
     assert check(layout, ledger) == Repairs()
 
@@ -168,7 +168,7 @@ def test_quarantine_debris_is_repaired(layout: CacheLayout, ledger: Ledger) -> N
     (layout.quarantine / a.filename).unlink()  # entry without its file
     (layout.quarantine / "stray.arrow").write_bytes(b"x" * 10)  # file without an entry: uncharged bytes
     assert reconcile(layout, ledger) == Repairs(quarantine_debris=2)
-    assert [q.record.id for q in ledger.quarantined()] == ["b"]
+    assert [q.record.id for q in ledger.quarantine.entries()] == ["b"]
     assert sorted(p.name for p in layout.quarantine.iterdir()) == [b.filename]
 
 
@@ -210,10 +210,10 @@ def test_the_background_verifiers_quarantine_is_a_commit_the_loaders_ledger_sees
         ledger.publish(record)  # as the daemon of another host would: not checksummed on this one
     path = layout.shards / bad.filename
     path.write_bytes(path.read_bytes()[:-100])  # truncated
-    before = ledger.version()
+    before = ledger.db.version()
     verifier = BackgroundVerifier(layout)
     assert verifier.submit([good, bad]) == 2
-    wait_for(lambda: [q.record.id for q in ledger.quarantined()] == ["bad"], timeout=10)
+    wait_for(lambda: [q.record.id for q in ledger.quarantine.entries()] == ["bad"], timeout=10)
     verifier.close()
-    assert ledger.version() != before
+    assert ledger.db.version() != before
     assert [r.id for r in ledger.shards()] == ["good"] and ledger.shard("good").verified

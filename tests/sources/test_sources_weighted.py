@@ -118,14 +118,14 @@ def test_each_source_keeps_its_own_pass_and_status_shows_both(tmp_path: Path, ca
     config = _config(tmp_path, [{"url": tiny, "weight": 1, "name": "tiny"}, {"url": big, "weight": 1, "name": "big"}])
 
     def tiny_wrapped(ledger: Ledger, _: list[Any]) -> bool:
-        return ledger.cursor()["streams"]["tiny"]["pass"] >= 1
+        return ledger.daemon.cursor()["streams"]["tiny"]["pass"] >= 1
 
     report, records = _run_until(config, tiny_wrapped)
     assert report.reason is StopReason.STOPPED
     units = [unit for record in records for unit in record.units]
     assert len(units) == len(set(units)), "a wrapped source never reads again a unit still on its way"
     ledger = _ledger(config)
-    cursor = ledger.cursor()
+    cursor = ledger.daemon.cursor()
     ledger.close()
     assert cursor["streams"]["tiny"]["pass"] >= 1 and cursor["streams"]["big"]["pass"] == 0, cursor
     progress = cursor["progress"]
@@ -167,7 +167,7 @@ def test_a_restart_resumes_every_source_neither_repeating_nor_skipping(tmp_path:
     assert first.reason is StopReason.STOPPED
     before = [unit for record in records for unit in record.units]
     ledger = _ledger(config)
-    saved = ledger.cursor()["streams"]
+    saved = ledger.daemon.cursor()["streams"]
     ledger.close()
     assert saved["one"] != Cursor().to_dict() and saved["two"] != Cursor().to_dict(), saved
     for index, name, root in ((0, "one", one), (1, "two", two)):
@@ -270,7 +270,7 @@ def test_two_s3_prefixes_each_complete_one_pass_once(
     assert report.reason is StopReason.EXHAUSTED and report.samples_published == 5 * 64
     assert len(fetched) == len(set(fetched)) == 10, "every row group of both prefixes read once"
     ledger = _ledger(config)
-    cursor = ledger.cursor()
+    cursor = ledger.daemon.cursor()
     ledger.close()
     assert cursor["streams"] == {"images": {"pass": 1, "group": 0, "step": 0},
                                  "text": {"pass": 1, "group": 0, "step": 0}}, "each source ended its own pass 0"
@@ -293,7 +293,7 @@ def test_kill_9_of_a_two_source_daemon_neither_repeats_nor_skips(tmp_path: Path)
             proc = subprocess.Popen([sys.executable, "-m", "epochcache", "sync", "-c", str(config_path),
                                      "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             try:
-                wait_for(lambda p=proc: (ledger.daemon_state() or {}).get("pid") == p.pid or p.poll() is not None)
+                wait_for(lambda p=proc: (ledger.daemon.status() or {}).get("pid") == p.pid or p.poll() is not None)
                 assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
                 time.sleep(rng.uniform(0.2, 0.8))  # the random moment of the kill, not a synchronisation
             finally:
@@ -303,7 +303,7 @@ def test_kill_9_of_a_two_source_daemon_neither_repeats_nor_skips(tmp_path: Path)
                     proc.stderr.close()
             units = [unit for record in ledger.shards() for unit in record.units]
             assert len(units) == len(set(units)), f"life {life}: a unit is cached twice"
-        streams = ledger.cursor()["streams"]
+        streams = ledger.daemon.cursor()["streams"]
         assert streams["one"]["pass"] == streams["two"]["pass"] == 0, "the kills land before a pass ends"
         cached_before = ledger.usage().rows
         assert 0 < cached_before < 12 * 512, cached_before

@@ -106,12 +106,12 @@ def test_with_no_epoch_the_daemon_fills_the_budget_once_and_waits(
     fetched: list[str] = []
     runner = DaemonThread(SyncDaemon(config, progress=False, on_fetch=lambda unit: fetched.append(unit.key)))
     ledger = _ledger(config)
-    wait_for(lambda: (ledger.daemon_state() or {}).get("state") == "waiting for training" or runner.error)
+    wait_for(lambda: (ledger.daemon.status() or {}).get("state") == "waiting for training" or runner.error)
     published_units = sum(len(r.units) for r in ledger.shards())
     # At most the reads in flight and one shard's units beyond what is published: fetching has stopped.
     assert len(fetched) <= published_units + config.sampler.concurrency + 8, (len(fetched), published_units)
     assert ledger.counters().get("evicted", 0) == 0
-    ledger.release(ledger.snapshot("epoch-0", ttl_s=60).id)  # an epoch used every shard
+    ledger.leases.release(ledger.leases.snapshot("epoch-0", ttl_s=60).id)  # an epoch used every shard
     wait_for(lambda: ledger.counters().get("evicted", 0) > 0 or runner.error)
     runner.stop()
     assert ledger.usage().total <= int(config.cache.max_bytes)
@@ -121,8 +121,8 @@ def test_with_no_epoch_the_daemon_fills_the_budget_once_and_waits(
 def _probe(ledger: Ledger) -> list[ShardRecord]:
     """The shards a new epoch would get now. The probe's lease is released at once: a lease whose owner
     (this process) is alive never expires, and would itself hold every shard."""
-    lease = ledger.snapshot("probe", ttl_s=1)
-    ledger.release(lease.id)
+    lease = ledger.leases.snapshot("probe", ttl_s=1)
+    ledger.leases.release(lease.id)
     return list(lease.shards)
 
 
@@ -130,13 +130,13 @@ def test_leased_shards_are_never_evicted(remote: str, make_config: Callable[...,
     config = make_config(remote, **SMALL)
     SyncDaemon(config, progress=False).run(once=True)
     ledger = _ledger(config)
-    lease = ledger.snapshot("test-trainer", ttl_s=600)
+    lease = ledger.leases.snapshot("test-trainer", ttl_s=600)
     leased_paths = [CacheLayout(Path(config.cache.dir)).shards / r.filename for r in lease.shards]
     runner = DaemonThread(SyncDaemon(config, progress=False))
     # the daemon needs room, finds only leased shards, marks the oldest retiring and waits
     wait_for(lambda: len(_probe(ledger)) < len(lease.shards) or runner.error)
     assert all(p.exists() for p in leased_paths) and ledger.counters().get("evicted", 0) == 0
-    ledger.release(lease.id)
+    ledger.leases.release(lease.id)
     wait_for(lambda: ledger.counters().get("evicted", 0) > 0 or runner.error)
     runner.stop()
     assert not leased_paths[0].exists(), "once the lease ended, the oldest (retiring) shard went first"
@@ -230,7 +230,7 @@ def test_the_published_cursor_carries_sampler_progress(remote: str, make_config:
     config = make_config(remote, **SMALL, **{"sampler.mix_units": 2})
     assert SyncDaemon(config, progress=False).run(once=True).reason is StopReason.BUDGET_FULL
     ledger = _ledger(config)
-    progress = ledger.cursor()["progress"]
+    progress = ledger.daemon.cursor()["progress"]
     ledger.close()
     assert progress["pass"] == 0 and progress["objects_total"] == FILES
     assert progress["objects_done"] < FILES and progress["objects_done"] % 2 == 0, progress

@@ -42,13 +42,13 @@ def _ledger(config: Config) -> Ledger:
 
 
 def _state(ledger: Ledger) -> dict[str, Any]:
-    state = ledger.daemon_state()
+    state = ledger.daemon.status()
     assert state is not None, "the daemon wrote its state"
     return state
 
 
 def _identity(ledger: Ledger) -> dict[str, Any]:
-    identity = ledger.identity()
+    identity = ledger.daemon.identity()
     assert identity is not None, "the cache is bound to a dataset"
     return identity
 
@@ -113,13 +113,13 @@ def test_a_cache_written_before_it_recorded_its_dataset_is_checked_against_its_s
     config = make_config(remote, **ROOMY, **{"source.columns": ["image", "id"]})
     SyncDaemon(config, progress=False).run(once=True)
     ledger = _ledger(config)
-    ledger.set_identity(None)  # as a cache of the previous version has none
+    ledger.daemon.set_identity(None)  # as a cache of the previous version has none
     ledger.close()
     same, _ = _remote(tmp_path, files=1, name="same")  # units not cached yet: their rows are written
     assert SyncDaemon(make_config(same, **ROOMY, **{"source.columns": ["image", "id"]}),
                       progress=False).run(once=True).shards_published > 0
     ledger = _ledger(config)
-    ledger.set_identity(None)
+    ledger.daemon.set_identity(None)
     ledger.close()
     remote, _ = _remote(tmp_path, files=1, name="more")
     with pytest.raises(DatasetMismatchError, match=r"has columns \[id: int64, __key__: string\], which no shard"):
@@ -182,7 +182,7 @@ def test_a_corrupt_object_is_skipped_with_its_reason_and_the_pass_goes_on(
     assert _cached_ids(config) == set(range(9 * 64)) - set(range(4 * 64, 5 * 64))
     assert report.units_unread == 2  # both row groups of part-004, read again at the pass end and failed again
     ledger = _ledger(config)
-    skipped = ledger.skipped()
+    skipped = ledger.daemon.skipped()
     assert {info["path"] for info in skipped.values()} == {f"{remote}/part-004.parquet"}
     assert all("Corrupt snappy" in info["error"] and info["final"] for info in skipped.values())
     state = _state(ledger)
@@ -206,7 +206,7 @@ def test_zero_row_units_are_skipped_and_null_rows_dropped(
     assert _cached_ids(config) == set(range(64)) | set(range(128, 192)) | {1000, 1002}
     ledger = _ledger(config)
     assert all(record.rows > 0 for record in ledger.shards())
-    assert {key for key in ledger.skipped()} == {f"{remote}/part-001.parquet#0", f"{remote}/part-001.parquet#1"}
+    assert {key for key in ledger.daemon.skipped()} == {f"{remote}/part-001.parquet#0", f"{remote}/part-001.parquet#1"}
     assert ledger.counters()["rows_dropped"] == 2
     ledger.close()
 
@@ -228,7 +228,7 @@ def test_a_damaged_parquet_footer_among_nine_is_skipped_by_sync_once(
     assert _cached_ids(config) == set(range(9 * 64)) - set(range(6 * 64, 7 * 64)), done.stderr
     assert done.returncode == 3, done.stderr  # completed, but units were skipped and not read again
     ledger = _ledger(config)
-    assert [info["path"] for info in ledger.skipped().values()] == [paths[6]]
+    assert [info["path"] for info in ledger.daemon.skipped().values()] == [paths[6]]
     ledger.close()
 
 
@@ -361,7 +361,7 @@ def test_the_daemon_keeps_retrying_an_unreachable_endpoint_and_shows_it(
     ledger = _ledger(config)
 
     def failures() -> int:
-        failing = (ledger.daemon_state() or {}).get("last_error") is not None
+        failing = (ledger.daemon.status() or {}).get("last_error") is not None
         return ledger.counters().get("give_ups", 0) if failing else 0
 
     try:

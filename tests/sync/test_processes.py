@@ -64,7 +64,7 @@ def procs() -> Iterator[list[subprocess.Popen[Any]]]:
 
 def _started(ledger: Ledger, pid: int) -> bool:
     """The daemon ``pid`` has reconciled the cache dir and is running its publisher."""
-    state = ledger.daemon_state()
+    state = ledger.daemon.status()
     return state is not None and state["pid"] == pid
 
 
@@ -208,14 +208,14 @@ def test_killed_trainer_lease_expires_and_eviction_resumes(
     trainer = _trainer(cache, 1.5, "hold")
     procs.append(trainer)
     assert trainer.stdout is not None and json.loads(trainer.stdout.readline()) == {"holding": True}
-    (lease,) = [lease for lease in ledger.leases() if f":{trainer.pid}:" in lease["owner"]]
+    (lease,) = [lease for lease in ledger.leases.live() if f":{trainer.pid}:" in lease["owner"]]
     held = set(lease["shards"])
     assert held == {r.id for r in ledger.shards()}  # the budget is full of leased shards
 
     with open(tmp_path / "daemon.log", "wb") as log:
         daemon = _daemon(config, log)
         procs.append(daemon)
-        wait_for(lambda: (ledger.daemon_state() or {}).get("state") == "backpressure", timeout=30)
+        wait_for(lambda: (ledger.daemon.status() or {}).get("state") == "backpressure", timeout=30)
         assert ledger.counters().get("evicted", 0) == 0
         assert main(["status", "-c", str(config), "--json"]) == 0
         status = json.loads(capsys.readouterr().out)
@@ -229,8 +229,8 @@ def test_killed_trainer_lease_expires_and_eviction_resumes(
         trainer.wait(30)
         wait_for(lambda: ledger.counters().get("evicted", 0) > 0, timeout=30)  # the lease expired
         wait_for(lambda: held - {r.id for r in ledger.shards()}, timeout=30)
-        wait_for(lambda: ledger.daemon_state()["state"] == "running", timeout=30)
-        assert ledger.leases() == []
+        wait_for(lambda: ledger.daemon.status()["state"] == "running", timeout=30)
+        assert ledger.leases.live() == []
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(60) == 0
     assert ledger.usage().total <= 2_000_000 and _bytes_under(cache) <= 2_000_000

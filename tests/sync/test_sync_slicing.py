@@ -167,7 +167,7 @@ def test_auto_slices_by_the_size_as_cached_not_as_stored(
     SyncDaemon(config, progress=False).run(once=True)
     ledger = Ledger(CacheLayout(Path(config.cache.dir)).ledger)
     try:
-        ratio = (ledger.stream_listing("") or {}).get("cached_per_listed")
+        ratio = (ledger.daemon.listing("") or {}).get("cached_per_listed")
         units = {unit for record in ledger.shards() for unit in record.units}
     finally:
         ledger.close()

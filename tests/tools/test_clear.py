@@ -27,8 +27,8 @@ def test_clear_deletes_shards_quarantine_and_ledger_then_a_daemon_refills(
     layout = CacheLayout(Path(config.cache.dir))
     ledger = Ledger(layout.ledger)
     shards = ledger.shards()
-    ledger.quarantine(shards[0].id, "test")
-    ledger.set_identity({"sources": ["old"]})
+    ledger.quarantine.add(shards[0].id, "test")
+    ledger.daemon.set_identity({"sources": ["old"]})
     ledger.close()
     (layout.shards / shards[0].filename).rename(layout.quarantine / shards[0].filename)  # as a reader does
 
@@ -36,7 +36,8 @@ def test_clear_deletes_shards_quarantine_and_ledger_then_a_daemon_refills(
     assert done["shards"] == len(shards) - 1 and done["quarantined"] == 1 and done["bytes"] > 0
     assert _files(layout.shards) == [] and _files(layout.quarantine) == []
     ledger = Ledger(layout.ledger)
-    assert (ledger.shards(), ledger.identity(), ledger.cursor(), ledger.skipped()) == ([], None, None, {})
+    state = ledger.daemon
+    assert (ledger.shards(), state.identity(), state.cursor(), state.skipped()) == ([], None, None, {})
     ledger.close()
     SyncDaemon(config, progress=False).run(once=True)
     ledger = Ledger(layout.ledger)
@@ -56,7 +57,7 @@ def test_clear_is_refused_while_a_trainer_holds_a_lease(synced_cache: Callable[.
     config = synced_cache(1, 64, 32, "64KiB")
     layout = CacheLayout(Path(config.cache.dir))
     ledger = Ledger(layout.ledger)
-    ledger.snapshot("host:7:epoch0", ttl_s=60)
+    ledger.leases.snapshot("host:7:epoch0", ttl_s=60)
     ledger.close()
     with pytest.raises(CacheError, match=r"1 live lease\(s\).*host:7:epoch0"):
         clear_cache(config)

@@ -43,9 +43,9 @@ def test_sync_once_then_status_json(tmp_path: Path, capsys) -> None:
     assert status["coverage"] is None and "coverage       no epoch yet" in table
     ledger = Ledger(tmp_path / "cache" / "ledger")
     for _ in range(2):  # two epochs over the whole remote
-        lease = ledger.snapshot("trainer", ttl_s=60)
-        ledger.record_epoch(lease.id, status["samples"])
-        ledger.release(lease.id)
+        lease = ledger.leases.snapshot("trainer", ttl_s=60)
+        ledger.leases.record_epoch(lease.id, status["samples"])
+        ledger.leases.release(lease.id)
     ledger.close()
     assert main(["status", "--config", str(config), "--json"]) == 0
     coverage = json.loads(capsys.readouterr().out)["coverage"]

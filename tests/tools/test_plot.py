@@ -20,9 +20,9 @@ def _cache_with_epochs(tmp_path: Path, epochs: int) -> Path:
         ledger.publish(ShardRecord(id=f"s{n}", filename=f"s{n}.arrow", nbytes=1000, rows=10, created=float(n),
                                    checksum=f"{n:032x}", units=(f"obj{n}#0",)))
         ledger.incr("fetched_bytes", 1000)
-        lease = ledger.snapshot("trainer", ttl_s=60)
-        ledger.record_epoch(lease.id, 10)
-        ledger.release(lease.id)
+        lease = ledger.leases.snapshot("trainer", ttl_s=60)
+        ledger.leases.record_epoch(lease.id, 10)
+        ledger.leases.release(lease.id)
     ledger.close()
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"source": {"url": str(tmp_path / "remote")},

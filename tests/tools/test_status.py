@@ -27,10 +27,10 @@ def test_status_reports_shards_leases_evictions_quarantine_and_progress(
     ledger = Ledger(CacheLayout.create(config.cache.dir).ledger)
     for i in range(4):
         ledger.publish(_record(i), cursor={"pass_": 0, "progress": {"pass": 0, "units done": 4, "units": None}})
-    ledger.quarantine("s3", "checksum mismatch")
+    ledger.quarantine.add("s3", "checksum mismatch")
     assert ledger.make_room(2000, budget=ledger.usage().total + 1000 + PUBLISH_GROWTH, choose=Fifo()) == [_record(0)]
-    ledger.snapshot("host:42:epoch3", ttl_s=60)
-    ledger.set_daemon_state({"pid": 1, "state": "backpressure", "since": 0.0})
+    ledger.leases.snapshot("host:42:epoch3", ttl_s=60)
+    ledger.daemon.set_status({"pid": 1, "state": "backpressure", "since": 0.0})
 
     status = cache_status(config)
     assert (status["shards"], status["samples"], status["shard_bytes"]) == (2, 20, 5000)
@@ -62,10 +62,10 @@ def test_status_shows_the_running_daemons_uptime_error_settings_rate_skips_and_s
         "big.pass": 1, "big.units_done": 17, "big.objects_done": 16, "big.objects_total": 32,
         "small.pass": 0, "small.units_done": 3, "small.objects_done": 2, "small.objects_total": None,
         "node_rank": 0, "num_nodes": 1, "units_skipped": 2}})
-    ledger.set_skipped("s3://b/x.parquet:3", {"path": "s3://b/x.parquet", "index": 3, "pass": 0,
+    ledger.daemon.set_skipped("s3://b/x.parquet:3", {"path": "s3://b/x.parquet", "index": 3, "pass": 0,
                                               "error": "corrupt page: CRC mismatch"})
-    ledger.set_daemon_state({"pid": os.getpid(), "state": "fetching", "since": now - 5})
-    ledger.update_daemon_state({
+    ledger.daemon.set_status({"pid": os.getpid(), "state": "fetching", "since": now - 5})
+    ledger.daemon.update_status({
         "started": now - 3725, "fetched_bytes": 3725 * 2_000_000, "units_unread": 1,
         "last_error": "remote unreachable: http://127.0.0.1:9/ (connection refused)", "last_error_at": now - 60,
         "settings": {"cache": {"max_bytes": 20_000_000}, "source": {"storage_options": {"secret": "very-secret"}}},

@@ -76,22 +76,23 @@ def test_lease_held_during_epoch_and_released_after(synced: Config) -> None:
     loader = EpochCachedLoader(synced.cache.dir, batch_size=32, prepare_next_at=1.0)
     for i, _ in enumerate(loader):
         if i == 0:
-            leases = ledger.leases()
+            leases = ledger.leases.live()
             assert len(leases) == 1 and len(leases[0]["shards"]) == loader.last_epoch.shards
             finished = leases[0]["id"]
     # after the epoch, its lease is kept (its batch source is stopped later, off the next epoch's
     # first batch) beside the next epoch's, prepared in the background
-    next_epoch = wait_for(lambda: [lease["id"] for lease in ledger.leases() if lease["id"] != finished], timeout=10)[0]
-    assert finished in [lease["id"] for lease in ledger.leases()]
+    live = ledger.leases.live
+    next_epoch = wait_for(lambda: [lease["id"] for lease in live() if lease["id"] != finished], timeout=10)[0]
+    assert finished in [lease["id"] for lease in ledger.leases.live()]
     epoch = iter(loader)
     next(epoch)
-    assert finished in [lease["id"] for lease in ledger.leases()]  # kept while the first batch is in use
+    assert finished in [lease["id"] for lease in ledger.leases.live()]  # kept while the first batch is in use
     next(epoch)
     # once the trainer comes back from the next epoch's first batch, the finished epoch's lease is released
-    wait_for(lambda: [lease["id"] for lease in ledger.leases()] == [next_epoch], timeout=10)
+    wait_for(lambda: [lease["id"] for lease in ledger.leases.live()] == [next_epoch], timeout=10)
     epoch.close()
     loader.close()
-    assert ledger.leases() == []
+    assert ledger.leases.live() == []
     ledger.close()
 
 
@@ -100,7 +101,7 @@ def test_a_shard_quarantined_after_the_next_epoch_was_prepared_is_not_read_by_it
     ledger = Ledger(layout.ledger)
     with EpochCachedLoader(synced.cache.dir, batch_size=32, shuffle=False, prepare_next_at=0.1) as loader:
         assert sorted(_epoch_ids(loader)) == list(range(ROWS))  # every shard mapped, kept open for the next
-        wait_for(lambda: len(ledger.leases()) == 2, timeout=10)  # the next epoch's snapshot is taken
+        wait_for(lambda: len(ledger.leases.live()) == 2, timeout=10)  # the next epoch's snapshot is taken
         bad = ledger.shards()[0]
         bad_ids = set(open_shard(layout.shards / bad.filename).column("id").to_pylist())
         assert quarantine_shard(layout, ledger, bad, "found damaged after the next epoch was prepared")
@@ -115,7 +116,7 @@ def test_breaking_out_of_an_epoch_releases_its_lease(synced: Config) -> None:
     with EpochCachedLoader(synced.cache.dir, batch_size=32) as loader:
         for _ in loader:
             break
-        assert ledger.leases() == []
+        assert ledger.leases.live() == []
     ledger.close()
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from epochcache import EpochCachedLoader
-from epochcache.cache.ledger import Ledger
+from epochcache.cache.ledger_leases import Leases
 from epochcache.config import Config
 from epochcache.tools.pss import process_tree
 
@@ -60,13 +60,13 @@ def test_an_epoch_left_early_with_workers_leaves_the_next_epochs_whole(synced: C
 
 def test_workers_fork_before_the_epoch_waits_for_its_snapshot(synced: Config, monkeypatch: pytest.MonkeyPatch) -> None:
     children_at_snapshot: list[int] = []
-    snapshot = Ledger.snapshot
+    snapshot = Leases.snapshot
 
-    def watched(ledger: Ledger, *args: object, **kwargs: object) -> object:
+    def watched(leases: Leases, *args: object, **kwargs: object) -> object:
         children_at_snapshot.append(len(set(process_tree(os.getpid())) - {os.getpid()}))
-        return snapshot(ledger, *args, **kwargs)  # type: ignore[arg-type]
+        return snapshot(leases, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Ledger, "snapshot", watched)
+    monkeypatch.setattr(Leases, "snapshot", watched)
     with EpochCachedLoader(synced.cache.dir, batch_size=32, seed=3, num_workers=2, progress=False) as loader:
         ids = sorted(i for batch in loader for i in batch["id"].tolist())
     assert children_at_snapshot[0] == 2, "the workers run while the first epoch takes its snapshot"
