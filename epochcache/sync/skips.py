@@ -61,7 +61,7 @@ class SkipBook:
         note(self.ledger.incr, "units_skipped")
         self.vitals.failed(_what(exc), f"{key}: {describe(exc)}")
         note(self.ledger.daemon.set_skipped, key, {"path": obj.path, "size": obj.size, "index": index, "pass": pass_,
-                                      "stream": stream.name, "error": describe(exc)})
+                                                   "stream": stream.name, "error": describe(exc)})
 
     def retry(self, stream: Stream, pass_: int, read: Read) -> Iterator[tuple[Unit, pa.Table]]:
         """Yield the rows of ``stream``'s skipped units of this pass that read now; forget those whose

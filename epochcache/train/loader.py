@@ -535,7 +535,7 @@ class EpochCachedLoader:
         while True:
             attempt = time.monotonic()
             lease = self._ledger.leases.snapshot(f"{self._owner}:epoch{epoch}", self.config.lease_ttl_s,
-                                          use=f"{self._peers.node_key}:epoch{epoch}")
+                                                 use=f"{self._peers.node_key}:epoch{epoch}")
             with self._held_lock:
                 self._held.add(lease.id)
             if any(r.rows for r in lease.shards):  # zero-row shards alone would make an epoch of no batches

@@ -115,7 +115,7 @@ def test_a_version_2_ledger_is_upgraded_in_place_without_losing_counts(layout: C
     assert [r.id for r in _choose(con, Lru(), 1)] == ["0003-shard"], "never used: its creation counts"
     before = time.time()
     assert [r.id for r in ledger.leases.snapshot("new-trainer", ttl_s=60).shards] == ["0000-shard", "0001-shard",
-                                                                               "0003-shard"]
+                                                                                      "0003-shard"]
     after = {r.id: r for r in ledger.shards()}
     assert {sid: r.uses for sid, r in after.items()} == {"0000-shard": 6, "0001-shard": 3, "0002-shard": 7,
                                                          "0003-shard": 1}

@@ -63,7 +63,7 @@ def test_status_shows_the_running_daemons_uptime_error_settings_rate_skips_and_s
         "small.pass": 0, "small.units_done": 3, "small.objects_done": 2, "small.objects_total": None,
         "node_rank": 0, "num_nodes": 1, "units_skipped": 2}})
     ledger.daemon.set_skipped("s3://b/x.parquet:3", {"path": "s3://b/x.parquet", "index": 3, "pass": 0,
-                                              "error": "corrupt page: CRC mismatch"})
+                                                     "error": "corrupt page: CRC mismatch"})
     ledger.daemon.set_status({"pid": os.getpid(), "state": "fetching", "since": now - 5})
     ledger.daemon.update_status({
         "started": now - 3725, "fetched_bytes": 3725 * 2_000_000, "units_unread": 1,
