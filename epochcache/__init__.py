@@ -45,7 +45,7 @@ _LAZY = {
     "SyncDaemon": "epochcache.sync.daemon",
     "SyncReport": "epochcache.sync.report",
     "EpochCachedLoader": "epochcache.train.loader",
-    "EpochInfo": "epochcache.train.loader",
+    "EpochInfo": "epochcache.train.epochs",
     "ShardSetDataset": "epochcache.train.dataset",
 }
 

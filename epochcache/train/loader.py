@@ -27,6 +27,10 @@ its order, and all ranks of the job get the same number of batches (see :mod:`ep
 
 ``state_dict()`` / ``load_state_dict()`` resume mid-epoch: the order is a pure function of the
 snapshot, seed and epoch, so a resumed epoch skips the batches already seen without reading them.
+
+This module is the epoch loop; its parts: :mod:`epochcache.train.epochs` builds an epoch (snapshot,
+shards, dataset, order), :mod:`epochcache.train.batch_sources` makes its batch source (thread or
+worker pool), :mod:`epochcache.train.leases` holds and renews the leases.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import threading
 import time
 from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,92 +51,22 @@ from pydantic import ValidationError
 
 from epochcache.cache.coverage import coverage_of
 from epochcache.cache.layout import CacheLayout
-from epochcache.cache.ledger import Lease, Ledger, ShardRecord
-from epochcache.cache.quarantine import QuarantineUnreadable, quarantine_shard
-from epochcache.cache.shards import open_shard
+from epochcache.cache.ledger import Ledger
 from epochcache.cache.verifier import BackgroundVerifier
 from epochcache.config import LoaderConfig, format_validation_error, load_config
-from epochcache.errors import CacheEmptyError, ConfigError, LedgerFullError, LoaderError, ShardCorruptError
-from epochcache.sources.base import KEY_COLUMN
-from epochcache.train.dataset import ShardSetDataset
-from epochcache.train.device import pin_batch, pinning_available, to_device
+from epochcache.errors import ConfigError, LedgerFullError, LoaderError
+from epochcache.train.batch_sources import BatchSources, choose_workers
+from epochcache.train.device import pinning_available, to_device
 from epochcache.train.distributed import Peers
+from epochcache.train.epochs import EpochBuilder, EpochInfo, PreparedEpoch
+from epochcache.train.leases import HeldLeases
 from epochcache.train.mappings import ShardMaps
-from epochcache.train.order import EpochBatches, batch_count, epoch_order, rank_part
-from epochcache.train.prefetch import BatchThread
-from epochcache.train.resume import Progress, read_state, snapshot_id
+from epochcache.train.resume import Progress, read_state
 from epochcache.train.timing import PrepareClock
-from epochcache.train.transform import BatchTransform, SampleTransform, TransformedDataset
-from epochcache.train.waiting import LedgerChanges, Patience, wait_for_samples
-from epochcache.train.workers import PoolEpoch, WorkerPool
+from epochcache.train.transform import BatchTransform, SampleTransform
+from epochcache.train.waiting import wait_for_samples
 
 log = logging.getLogger(__name__)
-
-# Worker processes chosen when a transform is given and loader.num_workers is left unset.
-_AUTO_WORKERS = 2
-
-
-@dataclass(frozen=True)
-class EpochInfo:
-    """What an epoch was built from. ``snapshot`` identifies its shard set (a hash of the shard ids);
-    ``start_batch`` > 0 for a resumed epoch; ``first_batch_wait_s`` is the time from ``iter()`` to its
-    first batch, None until that batch exists. ``coverage`` and ``echo``: the cache's, this epoch
-    included (see :mod:`epochcache.cache.coverage`; coverage None while the remote's size is unknown)."""
-
-    epoch: int
-    shards: int
-    samples: int
-    bytes: int
-    batches: int
-    skipped_shards: int
-    prepared_ahead: bool = False
-    first_batch_wait_s: float | None = None
-    snapshot: str = ""
-    start_batch: int = 0
-    coverage: float | None = None
-    echo: float | None = None
-
-
-class _Epoch:
-    """A built epoch: its lease, shard ids and batch source; ``start`` begins producing batches.
-
-    Without workers the preparing thread starts the batch thread itself, which builds the first
-    batches at once. With workers, ``start`` queues the epoch on the loader's worker pool (from the
-    main thread, at a batch boundary once the preparation is done), behind the epoch being read, so
-    the workers go on to it as soon as they are free (:mod:`epochcache.train.workers`).
-    """
-
-    def __init__(
-        self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], source: BatchThread | PoolEpoch | None,
-        pin: bool, unverified: tuple[ShardRecord, ...] = (), quarantines: int = 0, version: int | None = None,
-    ):
-        self.info, self.lease, self.shards, self._source, self._pin = info, lease, shards, source, pin
-        self.unverified = unverified  # the epoch's shards not yet checksummed on this host
-        self.quarantines = quarantines  # the ledger's count of quarantined shards before its snapshot
-        # the ledger's version (ledger.db.version(): it changes with other connections' commits, quarantines
-        # among them) once built, if that count was still the same
-        self.version = version
-
-    @property
-    def usable(self) -> bool:
-        """False once its worker pool was closed (by an epoch left early): it must be built again."""
-        return not (isinstance(self._source, PoolEpoch) and self._source.pool.closed)
-
-    def start(self) -> None:
-        if isinstance(self._source, PoolEpoch):
-            self._source.start()
-
-    def batches(self) -> Generator[Any, None, None]:
-        if isinstance(self._source, PoolEpoch):
-            for batch in self._source.batches():
-                yield pin_batch(batch) if self._pin else batch
-        elif self._source is not None:
-            yield from self._source
-
-    def close(self) -> None:
-        if self._source is not None:
-            self._source.close()
-        self._source = None
 
 
 class EpochCachedLoader:
@@ -160,7 +94,6 @@ class EpochCachedLoader:
             self.config = LoaderConfig.model_validate({**(config or LoaderConfig()).model_dump(), **overrides})
         except ValidationError as exc:
             raise ConfigError(f"EpochCachedLoader: {format_validation_error(exc)}") from None
-        self._transform, self._sample_transform = transform, sample_transform
         self._layout = CacheLayout(Path(cache_dir).resolve())
         if not self._layout.shards.is_dir():  # only the daemon creates a cache: a typo must not make one
             raise LoaderError(
@@ -170,8 +103,10 @@ class EpochCachedLoader:
         self._ledger = Ledger(self._layout.ledger)
         self._peers = Peers.discover(self._layout.root)
         self._owner = f"{socket.gethostname()}:{os.getpid()}"
-        self._workers = self._choose_workers()
-        self._pin = self.config.pin_memory and pinning_available()
+        pin = self.config.pin_memory and pinning_available()
+        workers = choose_workers(self.config.num_workers, transform is not None or sample_transform is not None)
+        self._sources = BatchSources(workers, self.config.prefetch_batches, self.config.batch_size,
+                                     transform, sample_transform, pin)
         self._device = torch.device(self.config.device) if self.config.device else None
         self._progress_bar = progress and self._peers.rank == 0
         self._waited = self.config.min_samples == 0
@@ -179,28 +114,21 @@ class EpochCachedLoader:
         self._last: EpochInfo | None = None
         self._progress: Progress | None = None
         self._resume: Progress | None = None
-        self._next: tuple[int, Future[_Epoch]] | None = None
-        self._unstarted: Future[_Epoch] | None = None  # the next epoch, until queued on the worker pool
-        self._retiring: _Epoch | None = None  # the last epoch, done but its batch source not yet stopped
-        self._present_ids: set[str] = set()  # shards whose file this loader found at its size
+        self._next: tuple[int, Future[PreparedEpoch]] | None = None
+        self._unstarted: Future[PreparedEpoch] | None = None  # the next epoch, until queued on the worker pool
+        self._retiring: PreparedEpoch | None = None  # the last epoch, done but its batch source not yet stopped
         # one checksumming thread per host (local rank 0), started on each epoch's first batch
         self._verifier = BackgroundVerifier(self._layout) if self._peers.local_rank == 0 else None
         # shard mappings the batch thread reuses from epoch to epoch, at most max_open_shards of them
         self._maps: ShardMaps[Any] = ShardMaps(self.config.max_open_shards)
-        self._held: set[str] = set()
-        self._held_lock = threading.Lock()
         self._closed = threading.Event()
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-prepare")
         self._cleanup_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-cleanup")
-        # the batch threads of the current epoch and of the next one, prepared ahead
-        self._build_pool = ThreadPoolExecutor(2, thread_name_prefix="epochcache-batches")
-        # the worker processes, kept across epochs (made by the preparing thread, forked by the main one)
-        self._pool: WorkerPool | None = None
-        self._pool_lock = threading.Lock()
-        ahead = self.config.prefetch_batches * max(self._workers, 1)
+        ahead = self.config.prefetch_batches * max(self._sources.workers, 1)
         self._clock = PrepareClock(ahead, self.config.prepare_next_at)
-        self._heartbeat = threading.Thread(target=self._renew_leases, name="epochcache-lease", daemon=True)
-        self._heartbeat.start()
+        self._leases = HeldLeases(self._ledger, self.config.lease_ttl_s)
+        self._builder = EpochBuilder(self._layout, self._ledger, self._peers, self._leases, self._maps, self._owner,
+                                     self._closed, self._clock, pin)
 
     @classmethod
     def from_config(cls, path: str | os.PathLike[str], overrides: Any = (), **kwargs: Any) -> EpochCachedLoader:
@@ -216,7 +144,7 @@ class EpochCachedLoader:
     @property
     def num_workers(self) -> int:
         """Worker processes per epoch: 0 is the in-process batch thread."""
-        return self._workers
+        return self._sources.workers
 
     @property
     def last_epoch(self) -> EpochInfo | None:
@@ -225,7 +153,7 @@ class EpochCachedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         started = time.monotonic()
-        self._start_workers()
+        self._sources.start_workers()
         self._wait_for_samples()
         epoch = self._epoch
         self._epoch += 1
@@ -270,21 +198,21 @@ class EpochCachedLoader:
             else:
                 self._finish(current)
 
-    def _after_first_batch_out(self, current: _Epoch, info: EpochInfo) -> Future[None]:
+    def _after_first_batch_out(self, current: PreparedEpoch, info: EpochInfo) -> Future[None]:
         """Once the trainer comes back from an epoch's first batch: one task for the cleanup thread (to
         retire the last epoch, then record this one). Not earlier: waking that thread as the first batch
         was handed out delayed it by ~0.2 ms (median of 37 epoch starts, the thread's wake-up alone)."""
         retiring, self._retiring = self._retiring, None
         return self._cleanup_pool.submit(self._after_first_batch, current, info, retiring)
 
-    def _after_first_batch(self, current: _Epoch, info: EpochInfo, retiring: _Epoch | None) -> None:
+    def _after_first_batch(self, current: PreparedEpoch, info: EpochInfo, retiring: PreparedEpoch | None) -> None:
         """On the cleanup thread, once an epoch's first batch is out: stop the last epoch's batch source
         and release its lease, then record this epoch."""
         if retiring is not None:
             self._finish(retiring)
         self._record(current, info)
 
-    def _record(self, current: _Epoch, info: EpochInfo) -> None:
+    def _record(self, current: PreparedEpoch, info: EpochInfo) -> None:
         """Record the running epoch in the ledger (local rank 0, for its node: the samples its batches
         hand out, a resumed epoch's skipped batches left out), then give ``last_epoch`` (``info``)
         the cache's coverage and echo, this epoch included. Runs on the cleanup thread after the
@@ -335,16 +263,10 @@ class EpochCachedLoader:
         self._retire_previous()
         self._prepare_pool.shutdown(wait=True)
         self._cleanup_pool.shutdown(wait=True)
-        self._build_pool.shutdown(wait=True)
-        if self._pool is not None:
-            self._pool.close()
-        self._heartbeat.join()
+        self._sources.close()
+        self._leases.close()
         if self._verifier is not None:
             self._verifier.close()
-        with self._held_lock:
-            for lease_id in self._held:
-                self._ledger.leases.release(lease_id)
-            self._held.clear()
         self._ledger.close()
 
     def __enter__(self) -> EpochCachedLoader:
@@ -354,12 +276,6 @@ class EpochCachedLoader:
         self.close()
 
     # -- building epochs ------------------------------------------------------------------------
-
-    def _choose_workers(self) -> int:
-        if self.config.num_workers is not None:
-            return self.config.num_workers
-        wants_processes = self._transform is not None or self._sample_transform is not None
-        return min(_AUTO_WORKERS, os.cpu_count() or 1) if wants_processes else 0
 
     def _wait_for_samples(self) -> None:
         if not self._waited:
@@ -372,14 +288,14 @@ class EpochCachedLoader:
     def _on_device(self, batches: Generator[Any, None, None]) -> Generator[Any, None, None]:
         return batches if self._device is None else to_device(batches, self._device)
 
-    def _take_prepared(self, epoch: int, resume: Progress | None) -> _Epoch:
+    def _take_prepared(self, epoch: int, resume: Progress | None) -> PreparedEpoch:
         if resume is None and self._next is not None and self._next[0] == epoch:
             future = self._next[1]
             self._next = self._unstarted = None
             prepared = future.result()
             # A shard quarantined since its snapshot (the verifier found it damaged; its mapping
             # may still be open here) must not be read by an epoch that starts now: build it again.
-            if prepared.usable and not self._quarantined_since(prepared):
+            if prepared.usable and not self._builder.quarantined_since(prepared):
                 return prepared
             self._finish(prepared)  # its worker pool was closed by an epoch left early, or a shard left
         self._drop_prepared()
@@ -403,174 +319,11 @@ class EpochCachedLoader:
     def _prepare_ahead(self, epoch: int) -> None:
         if self._next is None and not self._closed.is_set():
             self._next = (epoch, self._prepare_pool.submit(self._prepare, epoch, True, None))
-            if self._workers:  # (a batch thread starts itself)
+            if self._sources.workers:  # (a batch thread starts itself)
                 self._unstarted = self._next[1]
 
-    def _quarantines(self) -> int:
-        return self._ledger.counters().get("quarantined", 0)
-
-    def _version_unless_quarantined(self, quarantines: int) -> int | None:
-        """The ledger's version now, if no shard was quarantined since ``quarantines`` were counted
-        (counted again after reading it: a quarantine in between changes the version); else None."""
-        # every quarantine is another connection's commit (the verifier's, a worker's, the daemon's)
-        version = self._ledger.db.version()
-        return version if self._quarantines() == quarantines else None
-
-    def _quarantined_since(self, prepared: _Epoch) -> bool:
-        """Whether a shard may have been quarantined since ``prepared``'s snapshot: not if nothing was
-        committed to the ledger since it was built (one statement), else by counting again."""
-        if prepared.version is not None and self._ledger.db.version() == prepared.version:
-            return False
-        return self._quarantines() != prepared.quarantines
-
-    def _prepare(self, epoch: int, ahead: bool, resume: Progress | None) -> _Epoch:
-        quarantines = self._quarantines()
-        lease, started = self._snapshot(epoch)
-        try:
-            records = self._agreed_records(lease, resume)
-            self._check_one_schema(records)
-            dataset = ShardSetDataset(
-                [self._layout.shards / r.filename for r in records], [r.rows for r in records], self.config.columns,
-                self._maps, QuarantineUnreadable(self._layout.root),
-            )
-            sampler = self._sampler([r.rows for r in records], epoch, resume.position if resume else 0)
-            info = EpochInfo(
-                epoch=epoch, shards=len(records), samples=len(dataset), bytes=sum(r.nbytes for r in records),
-                batches=sampler.count, skipped_shards=len(lease.shards) - len(records), prepared_ahead=ahead,
-                snapshot=snapshot_id([r.id for r in records]), start_batch=min(sampler.start, sampler.count),
-            )
-            source = self._batch_source(dataset, sampler)
-            unverified = tuple(r for r in records if not r.verified)
-            version = self._version_unless_quarantined(quarantines)
-            self._clock.prepare_s = time.monotonic() - started
-            return _Epoch(info, lease, tuple(r.id for r in records), source, self._pin, unverified, quarantines,
-                          version)
-        except BaseException:
-            self._release(lease.id)
-            raise
-
-    def _agreed_records(self, lease: Lease, resume: Progress | None) -> list[ShardRecord]:
-        """The epoch's shards, sorted by id: the node's agreed set, or the resumed epoch's exact set."""
-        usable = {r.id: r for r in lease.shards if self._present(r)}
-        common = self._peers.common_shards(list(usable))
-        if resume is None:
-            return [usable[i] for i in common]
-        gone = sorted(set(resume.shards) - set(common))
-        if gone:
-            raise LoaderError(
-                f"cannot resume epoch {resume.epoch} at batch {resume.position}: {len(gone)} of its "
-                f"{len(resume.shards)} shards are no longer in {self._layout.root} (evicted or corrupt, e.g. "
-                f"{gone[0]}); resume from the next epoch instead: load_state_dict({{**state, 'epoch': "
-                f"{resume.epoch + 1}, 'position': 0, 'shards': None, 'snapshot': None}})"
-            )
-        return [usable[i] for i in sorted(resume.shards)]
-
-    def _check_one_schema(self, records: list[ShardRecord]) -> None:
-        """A :class:`LoaderError` if the records name two schema fingerprints (the ledger's, so this
-        reads no shard unless there is a conflict to describe); shards of unknown schema ("") are
-        checked by the dataset as it opens them."""
-        first: dict[str, ShardRecord] = {}
-        for record in records:
-            if record.schema:
-                first.setdefault(record.schema, record)
-        if len(first) > 1:
-            counts = {fp: sum(r.schema == fp for r in records) for fp in first}
-            (a, one), (b, two) = list(first.items())[:2]
-            raise LoaderError(
-                f"the cache {self._layout.root} holds shards of {len(first)} schemas: {counts[a]} shards with "
-                f"{_schema_of(self._layout, one)}, {counts[b]} with {_schema_of(self._layout, two)} (it was filled "
-                "under different source columns or sources); empty it with `epochcache clear`, or give "
-                "cache.dir a new directory"
-            )
-
-    def _sampler(self, shard_rows: list[int], epoch: int, start: int) -> EpochBatches:
-        cfg, peers = self.config, self._peers
-        # Half the open maps per window: a batch near a window's end also touches the next window.
-        window = max(1, cfg.max_open_shards // 2)
-        order = epoch_order(sum(shard_rows), cfg.seed, epoch, cfg.shuffle, cfg.epoch_samples, cfg.replacement,
-                            shard_rows, window)
-        part = rank_part(order, peers.local_rank, peers.local_world)
-        count = peers.fewest_batches(batch_count(len(part), cfg.batch_size, cfg.drop_last))
-        return EpochBatches(part, cfg.batch_size, count, start)
-
-    def _batch_source(self, dataset: ShardSetDataset, sampler: EpochBatches) -> BatchThread | PoolEpoch | None:
-        """The epoch's batches: a batch thread, or the loader's worker processes (kept across epochs,
-        sending through a slot ring when the dataset has tensor columns, see epochcache.train.workers)."""
-        if not len(sampler):
-            return None
-        if self._workers == 0:
-            batches = TransformedDataset(dataset, self._transform, self._sample_transform).batches(sampler)
-            if self._pin:
-                batches = map(pin_batch, batches)
-            return BatchThread(batches, self.config.prefetch_batches, self._build_pool)
-        layout = dataset.fixed_layout()
-        with self._pool_lock:
-            if self._pool is None or self._pool.closed or not self._pool.fit(layout):
-                # (a pool replaced for another layout stops its workers once its last epoch is dropped)
-                self._pool = self._new_pool()
-                self._pool.fit(layout)
-            return PoolEpoch(self._pool, dataset, sampler)
-
-    def _start_workers(self) -> None:
-        """With workers, at an epoch's start (on the main thread, see WorkerPool.start): fork them now
-        if no pool runs (the first epoch, or after an epoch left early), so that they start while this
-        epoch waits for its shards and is built, not after (~0.1 s of the first batch)."""
-        if self._workers:
-            with self._pool_lock:
-                if self._pool is None or self._pool.closed:
-                    self._pool = self._new_pool()
-                pool = self._pool
-            pool.start()
-
-    def _new_pool(self) -> WorkerPool:
-        return WorkerPool(self._workers, self.config.prefetch_batches, self.config.batch_size,
-                          self._transform, self._sample_transform)
-
-    def _snapshot(self, epoch: int) -> tuple[Lease, float]:
-        """A lease on a shard set holding at least one row, waiting for it while a daemon runs (up to
-        ``wait_timeout_s``; see :class:`epochcache.train.waiting.Patience`), and when the snapshot that
-        gave it began (``time.monotonic()``: what came before was waiting, not preparing)."""
-        patience = Patience(self._layout, self.config.wait_timeout_s)
-        changes = LedgerChanges(self._ledger)  # an empty snapshot is taken again once the daemon published
-        while True:
-            attempt = time.monotonic()
-            lease = self._ledger.leases.snapshot(f"{self._owner}:epoch{epoch}", self.config.lease_ttl_s,
-                                                 use=f"{self._peers.node_key}:epoch{epoch}")
-            with self._held_lock:
-                self._held.add(lease.id)
-            if any(r.rows for r in lease.shards):  # zero-row shards alone would make an epoch of no batches
-                return lease, attempt
-            self._release(lease.id)
-            why = patience.over()
-            # a change: the daemon published (or wrote its state); closed: the wait ends here
-            if why is not None or (not changes.wait(self._closed) and self._closed.is_set()):
-                if why == "no daemon":
-                    raise CacheEmptyError(
-                        f"no shard in {self._layout.root} after {patience.elapsed():.0f}s and no sync daemon runs "
-                        "on it: start `epochcache sync` with this cache.dir"
-                    )
-                raise CacheEmptyError(
-                    f"no shard appeared in {self._layout.root} within {self.config.wait_timeout_s:g}s while "
-                    "`epochcache sync` runs on it (loader.wait_timeout_s sets the wait): check `epochcache status`"
-                )
-
-    def _present(self, record: ShardRecord) -> bool:
-        """Whether a shard's file is there at its recorded size (one stat, the first time this loader
-        uses it); if not, it is quarantined. Its checksum is the background verifier's business."""
-        if record.id in self._present_ids:
-            return True
-        path = self._layout.shards / record.filename
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError as exc:
-            quarantine_shard(self._layout, self._ledger, record, f"skipped by an epoch: {exc}")
-            return False
-        if size != record.nbytes:
-            reason = f"skipped by an epoch: {path} holds {size} bytes, the ledger recorded {record.nbytes} (truncated?)"
-            quarantine_shard(self._layout, self._ledger, record, reason)
-            return False
-        self._present_ids.add(record.id)
-        return True
+    def _prepare(self, epoch: int, ahead: bool, resume: Progress | None) -> PreparedEpoch:
+        return self._builder.build(epoch, ahead, resume, self.config, self._sources.for_epoch)
 
     def _retire_previous(self) -> None:
         """Stop the finished epoch's batch source and release its lease, in the background."""
@@ -578,35 +331,6 @@ class EpochCachedLoader:
             self._cleanup_pool.submit(self._finish, self._retiring)
             self._retiring = None
 
-    def _finish(self, epoch: _Epoch) -> None:
+    def _finish(self, epoch: PreparedEpoch) -> None:
         epoch.close()
-        self._release(epoch.lease.id)
-
-    # -- leases ---------------------------------------------------------------------------------
-
-    def _release(self, lease_id: str) -> None:
-        with self._held_lock:
-            self._held.discard(lease_id)
-        self._ledger.leases.release(lease_id)
-
-    def _renew_leases(self) -> None:
-        interval = self.config.lease_ttl_s / 3
-        while not self._closed.wait(interval):
-            with self._held_lock:
-                held = list(self._held)
-            for lease_id in held:
-                if not self._ledger.leases.renew(lease_id, self.config.lease_ttl_s):
-                    with self._held_lock:
-                        lost = lease_id in self._held  # else it was released meanwhile: no loss
-                    if lost:
-                        log.warning("lease %s expired before renewal (process stalled longer than "
-                                    "loader.lease_ttl_s?): its shards may be evicted", lease_id)
-
-
-def _schema_of(layout: CacheLayout, record: ShardRecord) -> str:
-    """A shard's columns as ``[name: type, ...]``, for a message."""
-    try:
-        schema = open_shard(layout.shards / record.filename).schema
-    except (ShardCorruptError, OSError) as exc:
-        return f"schema {record.schema} (shard {record.filename} unreadable: {exc})"
-    return "[" + ", ".join(f"{f.name}: {f.type}" for f in schema if f.name != KEY_COLUMN) + "]"
+        self._leases.release(epoch.lease.id)
