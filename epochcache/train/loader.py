@@ -9,7 +9,9 @@ the time the epoch has left comes within reach of the measured preparation time
 (:mod:`epochcache.train.timing`; or at ``loader.prepare_next_at`` of its batches, when set), a
 background thread snapshots the next epoch, builds its dataset and order and starts its batches (the
 batch thread, or, at the next batch boundary, queues it on the worker processes, which are kept
-across epochs: :mod:`epochcache.train.workers`), so the next epoch starts without a stall.
+across epochs: :mod:`epochcache.train.workers`), so the next epoch starts without a stall: its first
+batches are built by then and, with workers, the first one already received in this process (the
+pool takes it in as it hands out the current epoch's last batch).
 
 Integrity: an epoch's shards must share one schema (else a :class:`LoaderError` naming both); a
 shard whose file is missing or not at its recorded size is quarantined and left out; nothing is
@@ -104,9 +106,9 @@ class _Epoch:
 
     def __init__(
         self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], source: BatchThread | PoolEpoch | None,
-        pin: bool, unverified: tuple[ShardRecord, ...] = (), quarantines: int = 0, version: int | None = None,
+        unverified: tuple[ShardRecord, ...] = (), quarantines: int = 0, version: int | None = None,
     ):
-        self.info, self.lease, self.shards, self._source, self._pin = info, lease, shards, source, pin
+        self.info, self.lease, self.shards, self._source = info, lease, shards, source
         self.unverified = unverified  # the epoch's shards not yet checksummed on this host
         self.quarantines = quarantines  # the ledger's count of quarantined shards before its snapshot
         # the ledger's version (Ledger.version: it changes with other connections' commits, quarantines
@@ -124,8 +126,7 @@ class _Epoch:
 
     def batches(self) -> Generator[Any, None, None]:
         if isinstance(self._source, PoolEpoch):
-            for batch in self._source.batches():
-                yield pin_batch(batch) if self._pin else batch
+            yield from self._source.batches()  # (pinned as the pool receives them)
         elif self._source is not None:
             yield from self._source
 
@@ -443,8 +444,7 @@ class EpochCachedLoader:
             unverified = tuple(r for r in records if not r.verified)
             version = self._version_unless_quarantined(quarantines)
             self._clock.prepare_s = time.monotonic() - started
-            return _Epoch(info, lease, tuple(r.id for r in records), source, self._pin, unverified, quarantines,
-                          version)
+            return _Epoch(info, lease, tuple(r.id for r in records), source, unverified, quarantines, version)
         except BaseException:
             self._release(lease.id)
             raise
@@ -515,7 +515,7 @@ class EpochCachedLoader:
         """With workers, at an epoch's start (on the main thread, see WorkerPool.start): fork them now
         if no pool runs (the first epoch, or after an epoch left early), so that they start while this
         epoch waits for its shards and is built, not after (~0.1 s of the first batch)."""
-        if self._workers:
+        if self._workers and not (self._pool is not None and self._pool.running):  # (running: every later epoch)
             with self._pool_lock:
                 if self._pool is None or self._pool.closed:
                     self._pool = self._new_pool()
@@ -524,7 +524,7 @@ class EpochCachedLoader:
 
     def _new_pool(self) -> WorkerPool:
         return WorkerPool(self._workers, self.config.prefetch_batches, self.config.batch_size,
-                          self._transform, self._sample_transform)
+                          self._transform, self._sample_transform, self._pin)
 
     def _snapshot(self, epoch: int) -> tuple[Lease, float]:
         """A lease on a shard set holding at least one row, waiting for it while a daemon runs (up to

@@ -14,6 +14,12 @@ thread so a large dataset never blocks the trainer), where a thread of the worke
 its first item; the worker drops an epoch's dataset (unmapping its shards) at the next epoch's first item.
 Only paths travel; the user's transforms reached the workers once, through the fork.
 
+At the boundary itself the trainer receives nothing: the next epoch's first batch, when it is queued
+in time, is received (copied out of its slot, pinned when pinning) before the current epoch's last
+batch is handed out, and waits in the pool (:meth:`WorkerPool.batches`). A trace of the boundary
+(benchmarks/loader.py's cache, 2 workers) had that receive at 110-250 µs of a 0.3-0.5 ms gap: the
+DataLoader's ``next`` and the copy out of the slot, both slower there than mid-epoch (50 + 30 µs).
+
 The workers may fork before any epoch exists (:meth:`WorkerPool.start`: the loader starts them while
 it waits for the first shard), so the pool learns its slots' layout with its first epoch
 (:meth:`WorkerPool.fit`), makes the slot ring then in shared memory the workers inherited (made with
@@ -21,8 +27,10 @@ the pool), and sends it to them with that epoch's dataset.
 
 Invariant: every item queued is read back, in order, before the pool is used again (``serial`` is the
 slot number, which the slot ring needs in order, and the items of an epoch left unread would be
-handed out as the next epoch's batches). So an epoch left early, or queued and dropped, closes the
-pool: :meth:`WorkerPool.settled` tells the loader, which makes a new one for the next epoch.
+handed out as the next epoch's batches); a batch received ahead belongs to the next epoch read, and
+is dropped with the pool if that epoch is (a shard quarantined meanwhile, see the loader). So an
+epoch left early, or queued and dropped, closes the pool (``WorkerPool.closed``), and the loader
+makes a new one for the next epoch.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from epochcache.train.dataset import ShardSetDataset, Views
+from epochcache.train.device import pin_batch
 from epochcache.train.mappings import ShardMaps
 from epochcache.train.order import EpochBatches
 from epochcache.train.slots import Layout, SlotRing, shared_memory
@@ -145,10 +154,10 @@ class _WorkerData(Dataset[Any]):
 class WorkerPool:
     """``workers`` processes building batches of ``batch_size`` rows, ``prefetch`` batches each ahead,
     for epochs of one layout (fixed-width columns, name -> dtype, item shape: the slots' columns), the
-    first one's (:meth:`fit`)."""
+    first one's (:meth:`fit`); batches are pinned as they are received when ``pin``."""
 
     def __init__(self, workers: int, prefetch: int, batch_size: int,
-                 transform: BatchTransform | None, sample_transform: SampleTransform | None):
+                 transform: BatchTransform | None, sample_transform: SampleTransform | None, pin: bool = False):
         fork = multiprocessing.get_context("fork")
         self._datasets = [fork.Queue() for _ in range(workers)]
         self._batch_size = batch_size
@@ -173,6 +182,9 @@ class WorkerPool:
         self._tags = itertools.count()
         self._queued = 0  # items queued, which are the serial numbers so far
         self._taken = 0  # batches read back
+        self._pin = pin
+        # the first batch of the epoch queued next, received as the last one of an epoch is handed out
+        self._held: deque[Any] = deque()
         self.closed = False
 
     def fit(self, layout: Layout) -> bool:
@@ -187,6 +199,11 @@ class WorkerPool:
     def start(self) -> None:
         """Fork the workers now, if not yet (they wait for the first epoch queued)."""
         self._running()
+
+    @property
+    def running(self) -> bool:
+        """Whether the workers were forked and the pool is not closed."""
+        return self._iterator is not None and not self.closed
 
     def _running(self) -> Iterator[Any]:
         """The DataLoader's iteration, begun (the workers forked) if it was not. From the main thread
@@ -212,27 +229,33 @@ class WorkerPool:
         self._feed.extend((tag, first + k, indices) for k, indices in enumerate(sampler))
 
     def batches(self, count: int) -> Iterator[Any]:
-        """The next ``count`` batches queued. Call from the main thread: the first call forks the workers."""
-        for _ in range(count):
-            if self._iterator is not None and self._feed.handed == self._taken:
-                # Nothing in flight: the DataLoader's iteration has ended (or the workers started
-                # before anything was queued); a new one (the workers kept) takes the items queued since.
-                self._iterator = iter(self._loader)
-            message = next(self._running())
-            self._taken += 1
-            if self._ring is not None:
-                yield self._ring.receive(message)
-            else:
-                yield from_wire(message)
+        """The next ``count`` batches queued. Call from the main thread: the first call forks the workers.
 
-    @property
-    def settled(self) -> bool:
-        """Whether every item queued has been read back (the pool can take the next epoch)."""
-        return not self.closed and self._taken == self._queued
+        The last of them is handed out only once the next batch queued, if any (the next epoch's
+        first), has been received too: that batch then waits in this process, copied out of its slot
+        (and pinned), and the next call hands it out at once. The epoch boundary, between the two,
+        is left the loader's bookkeeping alone (see :mod:`epochcache.train.loader`)."""
+        for left in range(count - 1, -1, -1):
+            batch = self._held.popleft() if self._held else self._receive()
+            if not left and self._taken < self._queued:
+                self._held.append(self._receive())
+            yield batch
+
+    def _receive(self) -> Any:
+        """The next batch queued, as this process's own tensors: its slot is free again."""
+        if self._iterator is not None and self._feed.handed == self._taken:
+            # Nothing in flight: the DataLoader's iteration has ended (or the workers started
+            # before anything was queued); a new one (the workers kept) takes the items queued since.
+            self._iterator = iter(self._loader)
+        message = next(self._running())
+        self._taken += 1
+        batch = self._ring.receive(message) if self._ring is not None else from_wire(message)
+        return pin_batch(batch) if self._pin else batch
 
     def close(self) -> None:
         """Stop the workers; batches not yet read are dropped."""
         self.closed = True
+        self._held.clear()
         self._iterator = None  # the DataLoader iterator shuts its workers down when dropped
         self._loader = None  # type: ignore[assignment]
         for datasets in self._datasets:
