@@ -44,10 +44,11 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from epochcache.train.dataset import ShardSetDataset, Views
 from epochcache.train.device import pin_batch
@@ -151,6 +152,13 @@ class _WorkerData(Dataset[Any]):
                 self._ready.notify_all()
 
 
+class _Failed:
+    """A batch received ahead whose building failed: ``exc``, to raise where it is handed out."""
+
+    def __init__(self, exc: Exception):
+        self.exc = exc
+
+
 class WorkerPool:
     """``workers`` processes building batches of ``batch_size`` rows, ``prefetch`` batches each ahead,
     for epochs of one layout (fixed-width columns, name -> dtype, item shape: the slots' columns), the
@@ -178,7 +186,7 @@ class WorkerPool:
             prefetch_factor=prefetch, persistent_workers=True, multiprocessing_context="fork",
             worker_init_fn=_keep_large_allocations,
         )
-        self._iterator: Iterator[Any] | None = None
+        self._iterator: _MultiProcessingDataLoaderIter | None = None
         self._tags = itertools.count()
         self._queued = 0  # items queued, which are the serial numbers so far
         self._taken = 0  # batches read back
@@ -214,8 +222,12 @@ class WorkerPool:
             # copied, epoch after epoch; frozen objects are never visited. (The garbage among them is
             # kept: it is what the workers inherit anyway.)
             gc.freeze()
-            self._iterator = iter(self._loader)
+            self._iterator = self._iterate()
         return self._iterator
+
+    def _iterate(self) -> _MultiProcessingDataLoaderIter:
+        """A new iteration of the DataLoader (the first forks the workers; the next ones keep them)."""
+        return cast(_MultiProcessingDataLoaderIter, iter(self._loader))
 
     def queue(self, dataset: ShardSetDataset, sampler: EpochBatches) -> None:
         """Queue an epoch: ``sampler``'s batches of ``dataset``, after every epoch queued before.
@@ -234,11 +246,18 @@ class WorkerPool:
         The last of them is handed out only once the next batch queued, if any (the next epoch's
         first), has been received too: that batch then waits in this process, copied out of its slot
         (and pinned), and the next call hands it out at once. The epoch boundary, between the two,
-        is left the loader's bookkeeping alone (see :mod:`epochcache.train.loader`)."""
+        is left the loader's bookkeeping alone (see :mod:`epochcache.train.loader`). An error in
+        building that batch (a worker's, re-raised by the DataLoader) waits with it: it is raised
+        where that batch would have been handed out, not in place of the last one."""
         for left in range(count - 1, -1, -1):
             batch = self._held.popleft() if self._held else self._receive()
+            if isinstance(batch, _Failed):
+                raise batch.exc
             if not left and self._taken < self._queued:
-                self._held.append(self._receive())
+                try:
+                    self._held.append(self._receive())
+                except Exception as exc:  # noqa: BLE001 - not swallowed: raised at the batch it belongs to
+                    self._held.append(_Failed(exc))
             yield batch
 
     def _receive(self) -> Any:
@@ -246,7 +265,7 @@ class WorkerPool:
         if self._iterator is not None and self._feed.handed == self._taken:
             # Nothing in flight: the DataLoader's iteration has ended (or the workers started
             # before anything was queued); a new one (the workers kept) takes the items queued since.
-            self._iterator = iter(self._loader)
+            self._iterator = self._iterate()
         message = next(self._running())
         self._taken += 1
         batch = self._ring.receive(message) if self._ring is not None else from_wire(message)
@@ -256,7 +275,11 @@ class WorkerPool:
         """Stop the workers; batches not yet read are dropped."""
         self.closed = True
         self._held.clear()
-        self._iterator = None  # the DataLoader iterator shuts its workers down when dropped
+        iterator, self._iterator = self._iterator, None
+        if iterator is not None:
+            # Stopped now, not when the iterator is collected: a worker's error raised from it keeps
+            # it alive (its frame, in the traceback the caller may hold), workers and all.
+            iterator._shutdown_workers()
         self._loader = None  # type: ignore[assignment]
         for datasets in self._datasets:
             datasets.cancel_join_thread()  # a worker gone may leave a dataset unread: never wait on it
