@@ -73,7 +73,7 @@ class BatchSources:
         """With workers, at an epoch's start (on the main thread, see WorkerPool.start): fork them now
         if no pool runs (the first epoch, or after an epoch left early), so that they start while this
         epoch waits for its shards and is built, not after (~0.1 s of the first batch)."""
-        if self.workers:
+        if self.workers and not (self._pool is not None and self._pool.running):  # (running: every later epoch)
             with self._pool_lock:
                 if self._pool is None or self._pool.closed:
                     self._pool = self._new_pool()
@@ -87,4 +87,5 @@ class BatchSources:
             self._pool.close()
 
     def _new_pool(self) -> WorkerPool:
-        return WorkerPool(self.workers, self._prefetch, self._batch_size, self._transform, self._sample_transform)
+        return WorkerPool(self.workers, self._prefetch, self._batch_size, self._transform, self._sample_transform,
+                          self._pin)

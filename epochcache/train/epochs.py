@@ -28,7 +28,6 @@ from epochcache.config import LoaderConfig
 from epochcache.errors import CacheEmptyError, LoaderError, ShardCorruptError
 from epochcache.sources.base import KEY_COLUMN
 from epochcache.train.dataset import ShardSetDataset
-from epochcache.train.device import pin_batch
 from epochcache.train.distributed import Peers
 from epochcache.train.leases import HeldLeases
 from epochcache.train.mappings import ShardMaps
@@ -76,9 +75,9 @@ class PreparedEpoch:
 
     def __init__(
         self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], source: BatchSource | None,
-        pin: bool, unverified: tuple[ShardRecord, ...] = (), quarantines: int = 0, version: int | None = None,
+        unverified: tuple[ShardRecord, ...] = (), quarantines: int = 0, version: int | None = None,
     ):
-        self.info, self.lease, self.shards, self._source, self._pin = info, lease, shards, source, pin
+        self.info, self.lease, self.shards, self._source = info, lease, shards, source
         self.unverified = unverified  # the epoch's shards not yet checksummed on this host
         self.quarantines = quarantines  # the ledger's count of quarantined shards before its snapshot
         # the ledger's version (ledger.db.version(): it changes with other connections' commits, quarantines
@@ -96,8 +95,7 @@ class PreparedEpoch:
 
     def batches(self) -> Generator[Any, None, None]:
         if isinstance(self._source, PoolEpoch):
-            for batch in self._source.batches():
-                yield pin_batch(batch) if self._pin else batch
+            yield from self._source.batches()  # (pinned as the pool receives them)
         elif self._source is not None:
             yield from self._source
 
@@ -111,15 +109,14 @@ class EpochBuilder:
     """Builds the epochs of one loader (see the module docstring): ``layout`` and ``ledger`` are its
     cache's, ``peers`` the ranks that share it, ``leases`` where its leases are held, ``maps`` the
     shard mappings reused from epoch to epoch, ``owner`` its name on leases, ``closed`` set when the
-    loader closes (a wait for shards ends), ``clock`` told each build's time, ``pin`` whether batches
-    from worker processes are pinned."""
+    loader closes (a wait for shards ends), ``clock`` told each build's time."""
 
     def __init__(
         self, layout: CacheLayout, ledger: Ledger, peers: Peers, leases: HeldLeases, maps: ShardMaps[Any],
-        owner: str, closed: threading.Event, clock: PrepareClock, pin: bool,
+        owner: str, closed: threading.Event, clock: PrepareClock,
     ):
         self._layout, self._ledger, self._peers, self._leases, self._maps = layout, ledger, peers, leases, maps
-        self._owner, self._closed, self._clock, self._pin = owner, closed, clock, pin
+        self._owner, self._closed, self._clock = owner, closed, clock
         self._present_ids: set[str] = set()  # shards whose file this loader found at its size
 
     def build(
@@ -146,8 +143,7 @@ class EpochBuilder:
             unverified = tuple(r for r in records if not r.verified)
             version = self._version_unless_quarantined(quarantines)
             self._clock.prepare_s = time.monotonic() - started
-            return PreparedEpoch(info, lease, tuple(r.id for r in records), source, self._pin, unverified,
-                                 quarantines, version)
+            return PreparedEpoch(info, lease, tuple(r.id for r in records), source, unverified, quarantines, version)
         except BaseException:
             self._leases.release(lease.id)
             raise

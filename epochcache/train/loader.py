@@ -9,7 +9,9 @@ the time the epoch has left comes within reach of the measured preparation time
 (:mod:`epochcache.train.timing`; or at ``loader.prepare_next_at`` of its batches, when set), a
 background thread snapshots the next epoch, builds its dataset and order and starts its batches (the
 batch thread, or, at the next batch boundary, queues it on the worker processes, which are kept
-across epochs: :mod:`epochcache.train.workers`), so the next epoch starts without a stall.
+across epochs: :mod:`epochcache.train.workers`), so the next epoch starts without a stall: its first
+batches are built by then and, with workers, the first one already received in this process (the
+pool takes it in as it hands out the current epoch's last batch).
 
 Integrity: an epoch's shards must share one schema (else a :class:`LoaderError` naming both); a
 shard whose file is missing or not at its recorded size is quarantined and left out; nothing is
@@ -128,7 +130,7 @@ class EpochCachedLoader:
         self._clock = PrepareClock(ahead, self.config.prepare_next_at)
         self._leases = HeldLeases(self._ledger, self.config.lease_ttl_s)
         self._builder = EpochBuilder(self._layout, self._ledger, self._peers, self._leases, self._maps, self._owner,
-                                     self._closed, self._clock, pin)
+                                     self._closed, self._clock)
 
     @classmethod
     def from_config(cls, path: str | os.PathLike[str], overrides: Any = (), **kwargs: Any) -> EpochCachedLoader:

@@ -11,9 +11,9 @@ sizes and maps it once the layout is known, and sends them the ring with their f
 pickles as its layout and that file's descriptor, which the workers map on arrival (without
 resetting it). Batch ``number`` goes to slot ``number % count``: the worker
 gathers it there (straight from the shards when there is no transform) and sends back only a small
-:class:`SlotBatch`; the trainer copies its arrays out into fresh tensors (pinned, when pinning) and
-frees the slot. So a batch the trainer holds never lives in the ring, and the ring's lifetime does not
-reach user code.
+:class:`SlotBatch`; the trainer copies its arrays out into fresh tensors (which the worker pool then
+pins, when pinning) and frees the slot. So a batch the trainer holds never lives in the ring, and the
+ring's lifetime does not reach user code.
 
 Invariant: a slot is never written while a batch in it is unread. Each slot has a shared int64, the
 one batch number allowed to write it next; the trainer raises it by ``count`` only after copying the

@@ -14,6 +14,12 @@ thread so a large dataset never blocks the trainer), where a thread of the worke
 its first item; the worker drops an epoch's dataset (unmapping its shards) at the next epoch's first item.
 Only paths travel; the user's transforms reached the workers once, through the fork.
 
+At the boundary itself the trainer receives nothing: the next epoch's first batch, when it is queued
+in time, is received (copied out of its slot, pinned when pinning) before the current epoch's last
+batch is handed out, and waits in the pool (:meth:`WorkerPool.batches`). A trace of the boundary
+(benchmarks/loader.py's cache, 2 workers) had that receive at 110-250 µs of a 0.3-0.5 ms gap: the
+DataLoader's ``next`` and the copy out of the slot, both slower there than mid-epoch (50 + 30 µs).
+
 The workers may fork before any epoch exists (:meth:`WorkerPool.start`: the loader starts them while
 it waits for the first shard), so the pool learns its slots' layout with its first epoch
 (:meth:`WorkerPool.fit`), makes the slot ring then in shared memory the workers inherited (made with
@@ -21,8 +27,10 @@ the pool), and sends it to them with that epoch's dataset.
 
 Invariant: every item queued is read back, in order, before the pool is used again (``serial`` is the
 slot number, which the slot ring needs in order, and the items of an epoch left unread would be
-handed out as the next epoch's batches). So an epoch left early, or queued and dropped, closes the
-pool: :meth:`WorkerPool.settled` tells the loader, which makes a new one for the next epoch.
+handed out as the next epoch's batches); a batch received ahead belongs to the next epoch read, and
+is dropped with the pool if that epoch is (a shard quarantined meanwhile, see the loader). So an
+epoch left early, or queued and dropped, closes the pool (``WorkerPool.closed``), and the loader
+makes a new one for the next epoch.
 """
 
 from __future__ import annotations
@@ -36,12 +44,14 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from epochcache.train.dataset import ShardSetDataset, Views
+from epochcache.train.device import pin_batch
 from epochcache.train.mappings import ShardMaps
 from epochcache.train.order import EpochBatches
 from epochcache.train.slots import Layout, SlotRing, shared_memory
@@ -142,13 +152,20 @@ class _WorkerData(Dataset[Any]):
                 self._ready.notify_all()
 
 
+class _Failed:
+    """A batch received ahead whose building failed: ``exc``, to raise where it is handed out."""
+
+    def __init__(self, exc: Exception):
+        self.exc = exc
+
+
 class WorkerPool:
     """``workers`` processes building batches of ``batch_size`` rows, ``prefetch`` batches each ahead,
     for epochs of one layout (fixed-width columns, name -> dtype, item shape: the slots' columns), the
-    first one's (:meth:`fit`)."""
+    first one's (:meth:`fit`); batches are pinned as they are received when ``pin``."""
 
     def __init__(self, workers: int, prefetch: int, batch_size: int,
-                 transform: BatchTransform | None, sample_transform: SampleTransform | None):
+                 transform: BatchTransform | None, sample_transform: SampleTransform | None, pin: bool = False):
         fork = multiprocessing.get_context("fork")
         self._datasets = [fork.Queue() for _ in range(workers)]
         self._batch_size = batch_size
@@ -169,10 +186,13 @@ class WorkerPool:
             prefetch_factor=prefetch, persistent_workers=True, multiprocessing_context="fork",
             worker_init_fn=_keep_large_allocations,
         )
-        self._iterator: Iterator[Any] | None = None
+        self._iterator: _MultiProcessingDataLoaderIter | None = None
         self._tags = itertools.count()
         self._queued = 0  # items queued, which are the serial numbers so far
         self._taken = 0  # batches read back
+        self._pin = pin
+        # the first batch of the epoch queued next, received as the last one of an epoch is handed out
+        self._held: deque[Any] = deque()
         self.closed = False
 
     def fit(self, layout: Layout) -> bool:
@@ -188,6 +208,11 @@ class WorkerPool:
         """Fork the workers now, if not yet (they wait for the first epoch queued)."""
         self._running()
 
+    @property
+    def running(self) -> bool:
+        """Whether the workers were forked and the pool is not closed."""
+        return self._iterator is not None and not self.closed
+
     def _running(self) -> Iterator[Any]:
         """The DataLoader's iteration, begun (the workers forked) if it was not. From the main thread
         only (forked from another thread, the workers exit with code 1 at shutdown under torch 2.x)."""
@@ -197,8 +222,12 @@ class WorkerPool:
             # copied, epoch after epoch; frozen objects are never visited. (The garbage among them is
             # kept: it is what the workers inherit anyway.)
             gc.freeze()
-            self._iterator = iter(self._loader)
+            self._iterator = self._iterate()
         return self._iterator
+
+    def _iterate(self) -> _MultiProcessingDataLoaderIter:
+        """A new iteration of the DataLoader (the first forks the workers; the next ones keep them)."""
+        return cast(_MultiProcessingDataLoaderIter, iter(self._loader))
 
     def queue(self, dataset: ShardSetDataset, sampler: EpochBatches) -> None:
         """Queue an epoch: ``sampler``'s batches of ``dataset``, after every epoch queued before.
@@ -212,28 +241,45 @@ class WorkerPool:
         self._feed.extend((tag, first + k, indices) for k, indices in enumerate(sampler))
 
     def batches(self, count: int) -> Iterator[Any]:
-        """The next ``count`` batches queued. Call from the main thread: the first call forks the workers."""
-        for _ in range(count):
-            if self._iterator is not None and self._feed.handed == self._taken:
-                # Nothing in flight: the DataLoader's iteration has ended (or the workers started
-                # before anything was queued); a new one (the workers kept) takes the items queued since.
-                self._iterator = iter(self._loader)
-            message = next(self._running())
-            self._taken += 1
-            if self._ring is not None:
-                yield self._ring.receive(message)
-            else:
-                yield from_wire(message)
+        """The next ``count`` batches queued. Call from the main thread: the first call forks the workers.
 
-    @property
-    def settled(self) -> bool:
-        """Whether every item queued has been read back (the pool can take the next epoch)."""
-        return not self.closed and self._taken == self._queued
+        The last of them is handed out only once the next batch queued, if any (the next epoch's
+        first), has been received too: that batch then waits in this process, copied out of its slot
+        (and pinned), and the next call hands it out at once. The epoch boundary, between the two,
+        is left the loader's bookkeeping alone (see :mod:`epochcache.train.loader`). An error in
+        building that batch (a worker's, re-raised by the DataLoader) waits with it: it is raised
+        where that batch would have been handed out, not in place of the last one."""
+        for left in range(count - 1, -1, -1):
+            batch = self._held.popleft() if self._held else self._receive()
+            if isinstance(batch, _Failed):
+                raise batch.exc
+            if not left and self._taken < self._queued:
+                try:
+                    self._held.append(self._receive())
+                except Exception as exc:  # noqa: BLE001 - not swallowed: raised at the batch it belongs to
+                    self._held.append(_Failed(exc))
+            yield batch
+
+    def _receive(self) -> Any:
+        """The next batch queued, as this process's own tensors: its slot is free again."""
+        if self._iterator is not None and self._feed.handed == self._taken:
+            # Nothing in flight: the DataLoader's iteration has ended (or the workers started
+            # before anything was queued); a new one (the workers kept) takes the items queued since.
+            self._iterator = self._iterate()
+        message = next(self._running())
+        self._taken += 1
+        batch = self._ring.receive(message) if self._ring is not None else from_wire(message)
+        return pin_batch(batch) if self._pin else batch
 
     def close(self) -> None:
         """Stop the workers; batches not yet read are dropped."""
         self.closed = True
-        self._iterator = None  # the DataLoader iterator shuts its workers down when dropped
+        self._held.clear()
+        iterator, self._iterator = self._iterator, None
+        if iterator is not None:
+            # Stopped now, not when the iterator is collected: a worker's error raised from it keeps
+            # it alive (its frame, in the traceback the caller may hold), workers and all.
+            iterator._shutdown_workers()
         self._loader = None  # type: ignore[assignment]
         for datasets in self._datasets:
             datasets.cancel_join_thread()  # a worker gone may leave a dataset unread: never wait on it

@@ -4,14 +4,24 @@ epoch left early costs the next epochs nothing but a new pool."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
+from conftest import wait_for
 
 from epochcache import EpochCachedLoader
+from epochcache.cache.layout import CacheLayout
+from epochcache.cache.ledger import Ledger
 from epochcache.cache.ledger_leases import Leases
+from epochcache.cache.quarantine import quarantine_shard
+from epochcache.cache.shards import open_shard
 from epochcache.config import Config
 from epochcache.tools.pss import process_tree
+from epochcache.train.slots import SlotRing
 
 
 @pytest.fixture
@@ -71,3 +81,86 @@ def test_workers_fork_before_the_epoch_waits_for_its_snapshot(synced: Config, mo
         ids = sorted(i for batch in loader for i in batch["id"].tolist())
     assert children_at_snapshot[0] == 2, "the workers run while the first epoch takes its snapshot"
     assert ids == list(range(600)), "their slots, sized after they forked, carry every row once"
+
+
+@pytest.fixture
+def prepared(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set once a loader has prepared an epoch ahead: a test that waits for it mid-epoch has the next
+    epoch queued on the worker pool at the batch after, well before the epoch's last batch."""
+    done = threading.Event()
+    prepare = EpochCachedLoader._prepare
+
+    def prepare_then_tell(loader: EpochCachedLoader, epoch: int, ahead: bool, resume: Any) -> Any:
+        built = prepare(loader, epoch, ahead, resume)
+        if ahead:
+            done.set()
+        return built
+
+    monkeypatch.setattr(EpochCachedLoader, "_prepare", prepare_then_tell)
+    return done
+
+
+def test_next_epochs_first_batch_is_received_before_the_last_one_is_handed_out_and_dropped_on_quarantine(
+    synced: Config, prepared: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = _reference(synced, 1)[0]
+    received: list[int] = []
+    receive = SlotRing.receive
+    monkeypatch.setattr(SlotRing, "receive", lambda ring, message: received.append(1) or receive(ring, message))
+    layout = CacheLayout(Path(synced.cache.dir))
+    ledger = Ledger(layout.ledger)
+    with EpochCachedLoader(synced.cache.dir, batch_size=32, seed=3, num_workers=2, progress=False,
+                           prepare_next_at=0.1) as loader:
+        first, count = [], len(expected)
+        for number, batch in enumerate(loader):
+            first.append(batch["id"].tolist())
+            if number == 2:  # the next epoch is being prepared (from batch 1 on)
+                wait_for(prepared.is_set, timeout=30)
+            if number == count - 1:
+                assert len(received) == count + 1, "the next epoch's first batch is here as the last is handed out"
+        assert first == expected
+        bad = ledger.shards()[0]
+        bad_ids = set(open_shard(layout.shards / bad.filename).column("id").to_pylist())
+        assert quarantine_shard(layout, ledger, bad, "found damaged after the next epoch's first batch came")
+        second = [i for batch in loader for i in batch["id"].tolist()]
+        assert bad_ids and sorted(second) == sorted(set(range(600)) - bad_ids), "the batch received ahead is dropped"
+        assert not loader.last_epoch.prepared_ahead, "built again at its start"
+    ledger.close()
+
+
+def test_an_error_building_the_next_epochs_first_batch_is_raised_there_not_at_this_epochs_last(
+    synced: Config, prepared: threading.Event
+) -> None:
+    expected = _reference(synced, 2)
+    poisoned = expected[1][0][:2]  # the start of the second epoch's first batch, and of no batch of the first
+    assert all(ids[:2] != poisoned for ids in expected[0])
+
+    def transform(batch: dict) -> dict:
+        if batch["id"][:2].tolist() == poisoned:
+            raise ValueError("poisoned batch")
+        return batch
+
+    with EpochCachedLoader(synced.cache.dir, batch_size=32, seed=3, num_workers=2, progress=False,
+                           prepare_next_at=0.1, transform=transform) as loader:
+        first = []
+        for number, batch in enumerate(loader):
+            first.append(batch["id"].tolist())
+            if number == 2:
+                wait_for(prepared.is_set, timeout=30)
+        assert first == expected[0], "the first epoch ends whole"
+        with pytest.raises(ValueError, match="poisoned batch") as raised:
+            next(iter(loader))
+    # (the traceback held here reaches the DataLoader's iterator: close() stops the workers all the same)
+    assert raised.value.__traceback__ is not None
+    assert set(process_tree(os.getpid())) == {os.getpid()}, "close() left no worker running"
+
+
+def test_a_worker_killed_mid_epoch_is_raised_in_the_trainer(synced: Config) -> None:
+    with EpochCachedLoader(synced.cache.dir, batch_size=32, seed=3, num_workers=2, progress=False) as loader:
+        with pytest.raises(RuntimeError, match="worker"):
+            for _ in range(3):
+                for number, _batch in enumerate(loader):
+                    if number == 1:
+                        workers = sorted(set(process_tree(os.getpid())) - {os.getpid()})
+                        assert len(workers) == 2
+                        os.kill(workers[0], signal.SIGKILL)
