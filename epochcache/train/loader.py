@@ -57,6 +57,7 @@ from epochcache.sources.base import KEY_COLUMN
 from epochcache.train.dataset import ShardSetDataset
 from epochcache.train.device import pin_batch, pinning_available, to_device
 from epochcache.train.distributed import Peers
+from epochcache.train.jobs import then
 from epochcache.train.mappings import ShardMaps
 from epochcache.train.order import EpochBatches, batch_count, epoch_order, rank_part
 from epochcache.train.prefetch import BatchThread
@@ -499,10 +500,10 @@ class EpochCachedLoader:
         if not len(sampler):
             return None
         if self._workers == 0:
-            batches = TransformedDataset(dataset, self._transform, self._sample_transform).batches(sampler)
+            jobs = TransformedDataset(dataset, self._transform, self._sample_transform).jobs(sampler)
             if self._pin:
-                batches = map(pin_batch, batches)
-            return BatchThread(batches, self.config.prefetch_batches, self._build_pool)
+                jobs = then(jobs, pin_batch)
+            return BatchThread(jobs, self.config.prefetch_batches, self._build_pool)
         layout = dataset.fixed_layout()
         with self._pool_lock:
             if self._pool is None or self._pool.closed or not self._pool.fit(layout):
