@@ -54,6 +54,7 @@ from epochcache.cache.verifier import BackgroundVerifier
 from epochcache.config import LoaderConfig, format_validation_error, load_config
 from epochcache.errors import CacheEmptyError, ConfigError, LedgerFullError, LoaderError, ShardCorruptError
 from epochcache.sources.base import KEY_COLUMN
+from epochcache.train.commits import CommitMarks
 from epochcache.train.dataset import ShardSetDataset
 from epochcache.train.device import pin_batch, pinning_available, to_device
 from epochcache.train.distributed import Peers
@@ -106,6 +107,7 @@ class _Epoch:
     def __init__(
         self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], source: BatchThread | PoolEpoch | None,
         pin: bool, unverified: tuple[ShardRecord, ...] = (), quarantines: int = 0, version: int | None = None,
+        mark: bytes | None = None,
     ):
         self.info, self.lease, self.shards, self._source, self._pin = info, lease, shards, source, pin
         self.unverified = unverified  # the epoch's shards not yet checksummed on this host
@@ -113,6 +115,9 @@ class _Epoch:
         # the ledger's version (Ledger.version: it changes with other connections' commits, quarantines
         # among them) once built, if that count was still the same
         self.version = version
+        # the ledger's commit mark (epochcache.train.commits) read before a check found no quarantine
+        # since the snapshot: while it is unchanged, none can have happened (moved on by _recheck)
+        self.mark = mark
 
     @property
     def usable(self) -> bool:
@@ -169,6 +174,7 @@ class EpochCachedLoader:
                 "or start `epochcache sync` with it first (the daemon creates the cache)"
             )
         self._ledger = Ledger(self._layout.ledger)
+        self._commits = CommitMarks(self._ledger.path)  # (the ledger's connection, just opened, made its WAL index)
         self._peers = Peers.discover(self._layout.root)
         self._owner = f"{socket.gethostname()}:{os.getpid()}"
         self._workers = self._choose_workers()
@@ -284,6 +290,7 @@ class EpochCachedLoader:
         if retiring is not None:
             self._finish(retiring)
         self._record(current, info)
+        self._recheck()
 
     def _record(self, current: _Epoch, info: EpochInfo) -> None:
         """Record the running epoch in the ledger (local rank 0, for its node: the samples its batches
@@ -346,6 +353,7 @@ class EpochCachedLoader:
             for lease_id in self._held:
                 self._ledger.release(lease_id)
             self._held.clear()
+        self._commits.close()  # (before the ledger's connection: see CommitMarks' invariant)
         self._ledger.close()
 
     def __enter__(self) -> EpochCachedLoader:
@@ -404,6 +412,8 @@ class EpochCachedLoader:
     def _prepare_ahead(self, epoch: int) -> None:
         if self._next is None and not self._closed.is_set():
             self._next = (epoch, self._prepare_pool.submit(self._prepare, epoch, True, None))
+            # (the cleanup thread's commits may land while it is prepared: check it again after them)
+            self._next[1].add_done_callback(lambda _: self._cleanup_pool.submit(self._recheck))
             if self._workers:  # (a batch thread starts itself)
                 self._unstarted = self._next[1]
 
@@ -418,11 +428,28 @@ class EpochCachedLoader:
         return version if self._quarantines() == quarantines else None
 
     def _quarantined_since(self, prepared: _Epoch) -> bool:
-        """Whether a shard may have been quarantined since ``prepared``'s snapshot: not if nothing was
-        committed to the ledger since it was built (one statement), else by counting again."""
+        """Whether a shard may have been quarantined since ``prepared``'s snapshot: not if no connection
+        committed to the ledger since its mark (a memory read), nor if no other one committed since it
+        was built (one statement), else by counting again."""
+        if prepared.mark is not None and self._commits.now() == prepared.mark:
+            return False
         if prepared.version is not None and self._ledger.version() == prepared.version:
             return False
         return self._quarantines() != prepared.quarantines
+
+    def _recheck(self) -> None:
+        """On the cleanup thread, after this loader's own commits (a lease released, an epoch recorded)
+        and once the next epoch is prepared (whichever comes last): check the prepared epoch now, off
+        the epoch boundary, and if no shard was quarantined since its snapshot move its mark past
+        those commits, so that at its start the mark alone decides."""
+        pending = self._next
+        future = pending[1] if pending is not None else None
+        if future is None or not future.done() or future.cancelled() or future.exception() is not None:
+            return
+        prepared = future.result()
+        mark = self._commits.now()  # read before the check: a commit after it changes the mark
+        if mark is not None and not self._quarantined_since(prepared):
+            prepared.mark = mark
 
     def _prepare(self, epoch: int, ahead: bool, resume: Progress | None) -> _Epoch:
         quarantines = self._quarantines()
@@ -442,10 +469,11 @@ class EpochCachedLoader:
             )
             source = self._batch_source(dataset, sampler)
             unverified = tuple(r for r in records if not r.verified)
+            mark = self._commits.now()  # read before the version: a commit after it changes the mark
             version = self._version_unless_quarantined(quarantines)
             self._clock.prepare_s = time.monotonic() - started
             return _Epoch(info, lease, tuple(r.id for r in records), source, self._pin, unverified, quarantines,
-                          version)
+                          version, mark if version is not None else None)
         except BaseException:
             self._release(lease.id)
             raise
