@@ -10,7 +10,9 @@ that points into the mapping: opening costs no copy and no per-sample object. A 
 touches (:mod:`epochcache.train.rowspace`), into a fresh array that torch wraps without a copy: one
 copy in all, the gather itself. Rows come in the order asked (the sampler's shuffle), less the rows
 of a shard that cannot be read. ``batches(sampler)`` gives an epoch's batches the same, but locates
-the rows of up to 64 batches at once (one numpy call per column per batch is then left);
+the rows of up to 64 batches at once (one numpy call per column per batch is then left); ``jobs``
+gives them as functions that build them, for building on more than one thread
+(:mod:`epochcache.train.jobs`);
 ``gather_into`` writes the columns into given arrays instead (a worker's shared-memory slot).
 
 What each column becomes follows from its Arrow type alone (:mod:`epochcache.cache.columns`), so it is the

@@ -12,12 +12,15 @@ batch thread, or, at the next batch boundary, queues it on the worker processes,
 across epochs: :mod:`epochcache.train.workers`), so the next epoch starts without a stall.
 
 Integrity: an epoch's shards must share one schema (else a :class:`LoaderError` naming both); a
-shard whose file is missing or not at its recorded size is quarantined and left out; nothing is
+shard whose file is missing or not at its recorded size is quarantined and left out; an epoch
+prepared ahead is built again at its start if a shard may have been quarantined since its snapshot
+(the ledger's commit mark changed, :mod:`epochcache.train.commits`, and its count says so); nothing is
 checksummed before the first batch: shards not yet verified on this host are checksummed after it by
 a :class:`~epochcache.cache.verifier.BackgroundVerifier` (local rank 0 only), which quarantines failures.
 
-Two modes: without a user transform, batches are built in this process on a background thread
-(:mod:`epochcache.train.prefetch`; it overlaps a training step while that releases the GIL); with
+Two modes: without a user transform, batches are built in this process, planned on a background
+thread that builds ahead, and by the consumer's thread when it comes for a batch not yet built
+(:mod:`epochcache.train.prefetch`; the gathers release the GIL); with
 one (``transform`` per batch, ``sample_transform`` per sample), DataLoader worker processes run it
 and send fixed-shape batches back through shared-memory slots (:mod:`epochcache.train.slots`).
 ``loader.num_workers`` overrides the choice.

@@ -13,9 +13,11 @@ plus ``row * row_bytes``: a batch is then one vectorised add and one fancy index
 row in numpy's C loop, which releases the GIL: two threads gather two batches at once), whatever the
 number of shards it touches. (A ``numpy.take`` per shard costs a few microseconds of Python per
 shard touched: on small shards that, not the copy, bounded throughput. A view of ``V<row bytes>``
-elements, the old way, held the GIL through the copy.) The span is only as wide as the mappings
-added (they lie close together in the address space): its size in bytes, span x row bytes, must
-fit in 63 bits, which the whole address range would not for rows over 64 KB.
+elements, the old way, held the GIL through the copy.) The view's size, span x row bytes, must fit
+in 63 bits: for rows up to 32 KB it spans the whole user address range at once (so adding a shard
+costs a store, not a new view: on 4,000 small shards a view per add cost ~15% of the epoch); for
+longer rows it spans as much around the mappings added as fits (tens of terabytes for 150 KB rows;
+mappings lie close together), and is made again, wider, for a mapping outside it.
 
 Positions are relative to the span's start, which moves when a shard mapped below it is added:
 :meth:`RowSpace.plan` keeps the positions of many batches together with the view they were
@@ -31,12 +33,17 @@ span may cover unmapped gaps between mappings: no position inside them is ever f
 from __future__ import annotations
 
 import math
+import mmap
 import warnings
 
 import numpy as np
 import torch
 
 _NOT_HELD = 0
+# The user address range of x86-64 and arm64 processes with 4-level page tables, where every mapping
+# lies (a mapping outside it widens the span), and the most bytes a view may span times its row bytes.
+_BOTTOM, _TOP = mmap.PAGESIZE, 1 << 47
+_MOST_VIEW_BYTES = 1 << 62
 
 
 class RowSpace:
@@ -63,8 +70,17 @@ class RowSpace:
         end = start + column.nbytes
         self._base[shard] = start
         if self._high == 0 or start < self._low or end > self._high:
-            self._low, self._high = (start, end) if self._high == 0 else (min(self._low, start), max(self._high, end))
+            self._low, self._high = self._span_for(start, end)
             self._space, self._torch_rows = _rows_view(self._low, self._high, self.row_bytes), None
+
+    def _span_for(self, start: int, end: int) -> tuple[int, int]:
+        """The span of a new view holding ``[start, end)`` and every column added: as wide as fits."""
+        low, high = (start, end) if self._high == 0 else (min(self._low, start), max(self._high, end))
+        room = _MOST_VIEW_BYTES // self.row_bytes
+        if room >= max(high, _TOP) - min(low, _BOTTOM):
+            return min(low, _BOTTOM), max(high, _TOP)
+        low = max(_BOTTOM, low - max(room - (high - low), 0) // 2)
+        return low, max(high, min(low + room, _TOP))
 
     def drop(self, shard: int) -> None:
         """Forget shard ``shard``'s column: call before letting its view go."""

@@ -1,14 +1,14 @@
 """User transforms, applied where batches are built (the batch thread or a DataLoader worker).
 
-In the batch thread's mode a transform may run on two threads at once (the batch thread and the
-trainer's, each building its own batch; see :mod:`epochcache.train.prefetch`): it must not keep
-state between batches that is not thread-safe.
-
 In: a batch from :class:`ShardSetDataset` (column -> tensor, list of buffers or Arrow array); out:
 whatever the user's functions return. ``transform`` sees the whole batch (the fast way: vectorised
 decode); ``sample_transform`` sees one sample at a time as ``{column: value}`` and the results are
 collated with torch's ``default_collate``. The wrapper holds only the dataset and the two callables,
 so pickling it into workers still sends paths, never data.
+
+In the batch thread's mode a transform may run on two threads at once (the batch thread and the
+trainer's, each building its own batch; see :mod:`epochcache.train.prefetch`): it must not keep
+state between batches that is not thread-safe.
 """
 
 from __future__ import annotations
