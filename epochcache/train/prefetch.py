@@ -128,11 +128,8 @@ class BatchThread:
 
     def _help(self, slot: _Slot) -> None:
         """While the thread builds ``slot``: build the next jobs nobody has claimed, then wait for it."""
-        while slot.built.locked():
-            try:
-                item = self._planned.get_nowait()
-            except queue.Empty:
-                break
+        while slot.built.locked() and not self._planned.empty():  # (only this thread takes from it)
+            item = self._planned.get()
             self._ahead.append(item)
             if not isinstance(item, _Slot):
                 break
@@ -180,12 +177,9 @@ class BatchThread:
         while True:
             if self._stop.is_set():
                 return False
-            try:
-                self._credits.get_nowait()
-            except queue.Empty:
-                if self._build_oldest(unbuilt, others):
-                    continue
-                self._credits.get()
+            if self._credits.empty() and self._build_oldest(unbuilt, others):  # (only this thread takes places)
+                continue
+            self._credits.get()
             return not self._stop.is_set()
 
     def _build_oldest(self, unbuilt: deque[_Slot], others: list[Any]) -> bool:
