@@ -2,8 +2,9 @@
 across epochs.
 
 In: an epoch's dataset and sampler. Out: its batch source (:meth:`BatchSources.for_epoch`): without
-workers a :class:`~epochcache.train.prefetch.BatchThread` (the transforms, if any, and pinning
-applied on it), with workers a :class:`~epochcache.train.workers.PoolEpoch` on the loader's one
+workers a :class:`~epochcache.train.prefetch.BatchThread` over the dataset's batch jobs (the
+transforms, if any, and pinning run inside each job, on whichever thread builds it), with workers a
+:class:`~epochcache.train.workers.PoolEpoch` on the loader's one
 :class:`~epochcache.train.workers.WorkerPool` (a new pool when the dataset's tensor layout no longer
 fits the old one's slots, or after one was closed by an epoch left early).
 
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from epochcache.train.dataset import ShardSetDataset
 from epochcache.train.device import pin_batch
+from epochcache.train.jobs import then
 from epochcache.train.order import EpochBatches
 from epochcache.train.prefetch import BatchThread
 from epochcache.train.transform import BatchTransform, SampleTransform, TransformedDataset
@@ -57,10 +59,10 @@ class BatchSources:
         if not len(sampler):
             return None
         if self.workers == 0:
-            batches = TransformedDataset(dataset, self._transform, self._sample_transform).batches(sampler)
+            jobs = TransformedDataset(dataset, self._transform, self._sample_transform).jobs(sampler)
             if self._pin:
-                batches = map(pin_batch, batches)
-            return BatchThread(batches, self._prefetch, self._build_pool)
+                jobs = then(jobs, pin_batch)
+            return BatchThread(jobs, self._prefetch, self._build_pool)
         layout = dataset.fixed_layout()
         with self._pool_lock:
             if self._pool is None or self._pool.closed or not self._pool.fit(layout):

@@ -10,7 +10,9 @@ that points into the mapping: opening costs no copy and no per-sample object. A 
 touches (:mod:`epochcache.train.rowspace`), into a fresh array that torch wraps without a copy: one
 copy in all, the gather itself. Rows come in the order asked (the sampler's shuffle), less the rows
 of a shard that cannot be read. ``batches(sampler)`` gives an epoch's batches the same, but locates
-the rows of up to 64 batches at once (one numpy call per column per batch is then left);
+the rows of up to 64 batches at once (one numpy call per column per batch is then left); ``jobs``
+gives them as functions that build them, for building on more than one thread
+(:mod:`epochcache.train.jobs`);
 ``gather_into`` writes the columns into given arrays instead (a worker's shared-memory slot).
 
 What each column becomes follows from its Arrow type alone (:mod:`epochcache.cache.columns`), so it is the
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Union
 
@@ -41,9 +44,10 @@ from torch.utils.data import Dataset
 from epochcache.cache.columns import is_binary, is_fixed_width, is_string
 from epochcache.errors import LoaderError, ShardCorruptError
 from epochcache.sources.base import KEY_COLUMN
+from epochcache.train.jobs import FENCE, Job, Planned, run_in_order
 from epochcache.train.mappings import DEFAULT_MAX_OPEN_SHARDS, ShardMaps
 from epochcache.train.order import EpochBatches
-from epochcache.train.rowspace import RowSpace
+from epochcache.train.rowspace import RowPlan, RowSpace
 from epochcache.train.shardplan import ShardPlan, open_planned
 
 log = logging.getLogger(__name__)
@@ -145,21 +149,33 @@ class ShardSetDataset(Dataset[Batch]):
         return {name: _join([part[name] for part in parts], column) for name, column in template.items()}
 
     def batches(self, sampler: EpochBatches) -> Iterator[Batch]:
-        """``sampler``'s batches, each as ``__getitems__`` gives it, planned run by run
-        (:meth:`EpochBatches.runs`): a run whose shards can all be held at once (every run, when the
-        epoch's shards fit in ``max_open_shards``) is located and given its rows' addresses in one
-        vectorised pass, after which a batch costs one numpy call per fixed-width column; any other
-        run (too many shards, or an unreadable one) is gathered batch by batch.
+        """``sampler``'s batches, each as ``__getitems__`` gives it: :meth:`jobs`, run in order."""
+        return run_in_order(self.jobs(sampler))
 
-        Not thread-safe, like the rest of the dataset: while a run is handed out its shards stay
-        held because nothing else reads this dataset meanwhile."""
+    def jobs(self, sampler: EpochBatches) -> Iterator[Planned]:
+        """``sampler``'s batches as jobs (:mod:`epochcache.train.jobs`), each building the batch
+        ``__getitems__`` would give, planned run by run (:meth:`EpochBatches.runs`): a run whose
+        shards can all be held at once (every run, when the epoch's shards fit in
+        ``max_open_shards``) is located and given its rows' addresses in one vectorised pass, after
+        which a job costs one numpy call per fixed-width column and may run on any thread; any
+        other run (too many shards, or an unreadable one) is gathered here, batch by batch, as it is
+        planned (holding shards is planning), its jobs handing over the built batches.
+
+        Planning (iterating this) must stay on one thread, like the rest of the dataset. A run's
+        shards stay held until the next run is planned, and only then may shards be dropped (when
+        the epoch has more than ``max_open_shards``): a :data:`FENCE` then comes before every run
+        but the first."""
         size = sampler.batch_size
-        for run in sampler.runs():
+        may_drop = len(self._paths) > self._max_open
+        for number, run in enumerate(sampler.runs()):
+            if number and may_drop:
+                yield FENCE
             shard_of, local = self._locate(run)
             if self._hold_run(shard_of):
                 yield from self._planned(shard_of, local, size)
             else:
-                yield from (self.__getitems__(run[start : start + size]) for start in range(0, len(run), size))
+                for start in range(0, len(run), size):
+                    yield partial(_built, self.__getitems__(run[start : start + size]))
 
     def _locate(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each index's shard number and row within that shard."""
@@ -176,17 +192,22 @@ class ShardSetDataset(Dataset[Batch]):
             return False
         return bool(self._hold(shard_of).all())
 
-    def _planned(self, shard_of: np.ndarray, local: np.ndarray, size: int) -> Iterator[Batch]:
-        """A held run's batches of ``size`` rows: its positions in every row space computed at once."""
-        columns = [(name, space, space.positions(shard_of, local)) for name, space in self._spaces.items()]
+    def _planned(self, shard_of: np.ndarray, local: np.ndarray, size: int) -> Iterator[Job]:
+        """A held run's jobs of ``size`` rows: its positions in every row space computed at once."""
+        plans = {name: space.plan(shard_of, local) for name, space in self._spaces.items()}
         others = [name for name in self._reference() if name not in self._spaces]
         for start in range(0, len(shard_of), size):
-            end = start + size
-            batch = {name: torch.from_numpy(space.rows_at(at[start:end])) for name, space, at in columns}
-            if others:
-                batch.update(self._gather_by_shard(others, shard_of[start:end], local[start:end]))
-                batch = {name: batch[name] for name in self._reference()}  # the columns' order, as always
-            yield batch
+            yield partial(self._build, plans, others, shard_of[start : start + size], local[start : start + size],
+                          start, start + size)
+
+    def _build(self, plans: dict[str, RowPlan], others: list[str], shard_of: np.ndarray, local: np.ndarray,
+               start: int, end: int) -> Batch:
+        """Rows ``start:end`` of a planned run (``shard_of`` and ``local``: theirs), while its shards are held."""
+        batch = {name: torch.from_numpy(plan.rows(start, end)) for name, plan in plans.items()}
+        if others:
+            batch.update(self._gather_by_shard(others, shard_of, local))
+            batch = {name: batch[name] for name in self._reference()}  # the columns' order, as always
+        return batch
 
     def _parts(self, shard_of: np.ndarray) -> list[Any]:
         """Row selections of a batch, each touching at most ``max_open_shards`` shards (one, all rows, mostly)."""
@@ -379,6 +400,11 @@ class ShardSetDataset(Dataset[Batch]):
             else:
                 views[name] = _numpy_view(array)
         return views
+
+
+def _built(batch: Batch) -> Batch:
+    """A job whose batch was built as it was planned."""
+    return batch
 
 
 def _describe(types: dict[str, pa.DataType]) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from epochcache.cache.layout import CacheLayout
@@ -27,6 +27,7 @@ from epochcache.cache.shards import open_shard
 from epochcache.config import LoaderConfig
 from epochcache.errors import CacheEmptyError, LoaderError, ShardCorruptError
 from epochcache.sources.base import KEY_COLUMN
+from epochcache.train.commits import CommitMarks
 from epochcache.train.dataset import ShardSetDataset
 from epochcache.train.distributed import Peers
 from epochcache.train.leases import HeldLeases
@@ -76,6 +77,7 @@ class PreparedEpoch:
     def __init__(
         self, info: EpochInfo, lease: Lease, shards: tuple[str, ...], source: BatchSource | None,
         unverified: tuple[ShardRecord, ...] = (), quarantines: int = 0, version: int | None = None,
+        mark: bytes | None = None,
     ):
         self.info, self.lease, self.shards, self._source = info, lease, shards, source
         self.unverified = unverified  # the epoch's shards not yet checksummed on this host
@@ -83,6 +85,18 @@ class PreparedEpoch:
         # the ledger's version (ledger.db.version(): it changes with other connections' commits, quarantines
         # among them) once built, if that count was still the same
         self.version = version
+        # its info once its first batch is out, made here, off the epoch boundary (see first_batch_out)
+        self._first = replace(info, first_batch_wait_s=0.0)
+        # the ledger's commit mark (epochcache.train.commits) read before a check found no quarantine
+        # since the snapshot: while it is unchanged, none can have happened (moved on by EpochBuilder.recheck)
+        self.mark = mark
+
+    def first_batch_out(self, wait_s: float) -> EpochInfo:
+        """Its info with ``first_batch_wait_s``, as its first batch is handed out. (Made ahead: at an epoch
+        boundary, with caches cold after the gathers, ``dataclasses.replace`` took 25-40 µs; the field is
+        set before the info is published to anyone.)"""
+        object.__setattr__(self._first, "first_batch_wait_s", wait_s)
+        return self._first
 
     @property
     def usable(self) -> bool:
@@ -109,14 +123,15 @@ class EpochBuilder:
     """Builds the epochs of one loader (see the module docstring): ``layout`` and ``ledger`` are its
     cache's, ``peers`` the ranks that share it, ``leases`` where its leases are held, ``maps`` the
     shard mappings reused from epoch to epoch, ``owner`` its name on leases, ``closed`` set when the
-    loader closes (a wait for shards ends), ``clock`` told each build's time."""
+    loader closes (a wait for shards ends), ``clock`` told each build's time, ``commits`` the
+    ledger's commit marks (:mod:`epochcache.train.commits`)."""
 
     def __init__(
         self, layout: CacheLayout, ledger: Ledger, peers: Peers, leases: HeldLeases, maps: ShardMaps[Any],
-        owner: str, closed: threading.Event, clock: PrepareClock,
+        owner: str, closed: threading.Event, clock: PrepareClock, commits: CommitMarks,
     ):
         self._layout, self._ledger, self._peers, self._leases, self._maps = layout, ledger, peers, leases, maps
-        self._owner, self._closed, self._clock = owner, closed, clock
+        self._owner, self._closed, self._clock, self._commits = owner, closed, clock, commits
         self._present_ids: set[str] = set()  # shards whose file this loader found at its size
 
     def build(
@@ -141,9 +156,11 @@ class EpochBuilder:
             )
             source = sources(dataset, sampler)
             unverified = tuple(r for r in records if not r.verified)
+            mark = self._commits.now()  # read before the version: a commit after it changes the mark
             version = self._version_unless_quarantined(quarantines)
             self._clock.prepare_s = time.monotonic() - started
-            return PreparedEpoch(info, lease, tuple(r.id for r in records), source, unverified, quarantines, version)
+            return PreparedEpoch(info, lease, tuple(r.id for r in records), source, unverified, quarantines, version,
+                                 mark if version is not None else None)
         except BaseException:
             self._leases.release(lease.id)
             raise
@@ -159,11 +176,22 @@ class EpochBuilder:
         return version if self._quarantines() == quarantines else None
 
     def quarantined_since(self, prepared: PreparedEpoch) -> bool:
-        """Whether a shard may have been quarantined since ``prepared``'s snapshot: not if nothing was
-        committed to the ledger since it was built (one statement), else by counting again."""
+        """Whether a shard may have been quarantined since ``prepared``'s snapshot: not if no connection
+        committed to the ledger since its mark (a memory read), nor if no other one committed since it
+        was built (one statement), else by counting again."""
+        if prepared.mark is not None and self._commits.now() == prepared.mark:
+            return False
         if prepared.version is not None and self._ledger.db.version() == prepared.version:
             return False
         return self._quarantines() != prepared.quarantines
+
+    def recheck(self, prepared: PreparedEpoch) -> None:
+        """Off the epoch boundary, after this loader's own commits (a lease released, an epoch recorded):
+        if no shard was quarantined since ``prepared``'s snapshot, move its mark past those commits, so
+        that at its start the mark alone decides."""
+        mark = self._commits.now()  # read before the check: a commit after it changes the mark
+        if mark is not None and not self.quarantined_since(prepared):
+            prepared.mark = mark
 
     def _snapshot(self, epoch: int, config: LoaderConfig) -> tuple[Lease, float]:
         """A lease on a shard set holding at least one row, waiting for it while a daemon runs (up to

@@ -14,12 +14,15 @@ batches are built by then and, with workers, the first one already received in t
 pool takes it in as it hands out the current epoch's last batch).
 
 Integrity: an epoch's shards must share one schema (else a :class:`LoaderError` naming both); a
-shard whose file is missing or not at its recorded size is quarantined and left out; nothing is
+shard whose file is missing or not at its recorded size is quarantined and left out; an epoch
+prepared ahead is built again at its start if a shard may have been quarantined since its snapshot
+(the ledger's commit mark changed, :mod:`epochcache.train.commits`, and its count says so); nothing is
 checksummed before the first batch: shards not yet verified on this host are checksummed after it by
 a :class:`~epochcache.cache.verifier.BackgroundVerifier` (local rank 0 only), which quarantines failures.
 
-Two modes: without a user transform, batches are built in this process on a background thread
-(:mod:`epochcache.train.prefetch`; it overlaps a training step while that releases the GIL); with
+Two modes: without a user transform, batches are built in this process, planned on a background
+thread that builds ahead, and by the consumer's thread when it comes for a batch not yet built
+(:mod:`epochcache.train.prefetch`; the gathers release the GIL); with
 one (``transform`` per batch, ``sample_transform`` per sample), DataLoader worker processes run it
 and send fixed-shape batches back through shared-memory slots (:mod:`epochcache.train.slots`).
 ``loader.num_workers`` overrides the choice.
@@ -58,6 +61,7 @@ from epochcache.cache.verifier import BackgroundVerifier
 from epochcache.config import LoaderConfig, format_validation_error, load_config
 from epochcache.errors import ConfigError, LedgerFullError, LoaderError
 from epochcache.train.batch_sources import BatchSources, choose_workers
+from epochcache.train.commits import CommitMarks
 from epochcache.train.device import pinning_available, to_device
 from epochcache.train.distributed import Peers
 from epochcache.train.epochs import EpochBuilder, EpochInfo, PreparedEpoch
@@ -103,6 +107,7 @@ class EpochCachedLoader:
                 "or start `epochcache sync` with it first (the daemon creates the cache)"
             )
         self._ledger = Ledger(self._layout.ledger)
+        self._commits = CommitMarks(self._ledger.path)  # (the ledger's connection, just opened, made its WAL index)
         self._peers = Peers.discover(self._layout.root)
         self._owner = f"{socket.gethostname()}:{os.getpid()}"
         pin = self.config.pin_memory and pinning_available()
@@ -130,7 +135,7 @@ class EpochCachedLoader:
         self._clock = PrepareClock(ahead, self.config.prepare_next_at)
         self._leases = HeldLeases(self._ledger, self.config.lease_ttl_s)
         self._builder = EpochBuilder(self._layout, self._ledger, self._peers, self._leases, self._maps, self._owner,
-                                     self._closed, self._clock)
+                                     self._closed, self._clock, self._commits)
 
     @classmethod
     def from_config(cls, path: str | os.PathLike[str], overrides: Any = (), **kwargs: Any) -> EpochCachedLoader:
@@ -171,7 +176,7 @@ class EpochCachedLoader:
             for number, batch in enumerate(stream, start=info.start_batch):
                 self._progress.position = number + 1
                 if number == info.start_batch:
-                    self._last = first = replace(info, first_batch_wait_s=time.monotonic() - started)
+                    self._last = first = current.first_batch_out(time.monotonic() - started)
                     if self._verifier is not None:  # never before the first batch (see epochcache.cache.verifier)
                         self._verifier.submit(current.unverified)
                     try:
@@ -213,6 +218,7 @@ class EpochCachedLoader:
         if retiring is not None:
             self._finish(retiring)
         self._record(current, info)
+        self._recheck()
 
     def _record(self, current: PreparedEpoch, info: EpochInfo) -> None:
         """Record the running epoch in the ledger (local rank 0, for its node: the samples its batches
@@ -269,6 +275,7 @@ class EpochCachedLoader:
         self._leases.close()
         if self._verifier is not None:
             self._verifier.close()
+        self._commits.close()  # (before the ledger's connection: see CommitMarks' invariant)
         self._ledger.close()
 
     def __enter__(self) -> EpochCachedLoader:
@@ -321,11 +328,22 @@ class EpochCachedLoader:
     def _prepare_ahead(self, epoch: int) -> None:
         if self._next is None and not self._closed.is_set():
             self._next = (epoch, self._prepare_pool.submit(self._prepare, epoch, True, None))
+            # (the cleanup thread's commits may land while it is prepared: check it again after them)
+            self._next[1].add_done_callback(lambda _: self._cleanup_pool.submit(self._recheck))
             if self._sources.workers:  # (a batch thread starts itself)
                 self._unstarted = self._next[1]
 
     def _prepare(self, epoch: int, ahead: bool, resume: Progress | None) -> PreparedEpoch:
         return self._builder.build(epoch, ahead, resume, self.config, self._sources.for_epoch)
+
+    def _recheck(self) -> None:
+        """On the cleanup thread, after this loader's own commits and once the next epoch is prepared
+        (whichever comes last): :meth:`EpochBuilder.recheck` the prepared epoch."""
+        pending = self._next
+        future = pending[1] if pending is not None else None
+        if future is None or not future.done() or future.cancelled() or future.exception() is not None:
+            return
+        self._builder.recheck(future.result())
 
     def _retire_previous(self) -> None:
         """Stop the finished epoch's batch source and release its lease, in the background."""

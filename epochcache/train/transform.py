@@ -5,6 +5,10 @@ whatever the user's functions return. ``transform`` sees the whole batch (the fa
 decode); ``sample_transform`` sees one sample at a time as ``{column: value}`` and the results are
 collated with torch's ``default_collate``. The wrapper holds only the dataset and the two callables,
 so pickling it into workers still sends paths, never data.
+
+In the batch thread's mode a transform may run on two threads at once (the batch thread and the
+trainer's, each building its own batch; see :mod:`epochcache.train.prefetch`): it must not keep
+state between batches that is not thread-safe.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import numpy as np
 from torch.utils.data import Dataset, default_collate
 
 from epochcache.train.dataset import Batch, ShardSetDataset
+from epochcache.train.jobs import Planned, then
 from epochcache.train.order import EpochBatches
 
 BatchTransform = Callable[[Batch], Any]
@@ -49,12 +54,14 @@ class TransformedDataset(Dataset[Any]):
     def __getitems__(self, indices: Sequence[int] | np.ndarray) -> Any:
         return self._apply(self.dataset.__getitems__(indices))
 
-    def batches(self, sampler: EpochBatches) -> Iterator[Any]:
-        """``sampler``'s batches, transformed (see :meth:`ShardSetDataset.batches`)."""
-        planned = self.dataset.batches(sampler)
+    def jobs(self, sampler: EpochBatches) -> Iterator[Planned]:
+        """``sampler``'s batches as jobs that build them transformed (see :meth:`ShardSetDataset.jobs`):
+        the transforms run in the job, on whichever thread runs it (two batches' at once, in the batch
+        thread: :mod:`epochcache.train.prefetch`)."""
+        planned = self.dataset.jobs(sampler)
         if self.plain:
             return planned
-        return map(self._apply, planned)
+        return then(planned, self._apply)
 
     def _apply(self, batch: Any) -> Any:
         if self._sample_transform is not None:

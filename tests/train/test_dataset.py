@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +19,10 @@ from epochcache.cache.shards import write_shard
 from epochcache.errors import LoaderError
 from epochcache.sources.base import KEY_COLUMN
 from epochcache.train.dataset import ShardSetDataset
+from epochcache.train.jobs import FENCE
 from epochcache.train.mappings import ShardMaps
 from epochcache.train.order import EpochBatches, batch_count, epoch_order
+from epochcache.train.prefetch import BatchThread
 
 
 def _shards(tmp_path: Path, sizes: list[int]) -> tuple[list[Path], list[int]]:
@@ -287,3 +290,34 @@ def test_gather_into_writes_the_rows_getitems_gives(tmp_path: Path, max_open: in
     assert into["id"].tolist() == [*want["id"].tolist(), -1, -1]  # (in parts, rows come part by part)
     assert sorted(want["id"].tolist()) == [0, 2, 11, 13, 17, 20]
     assert np.array_equal(into["image"][:6], want["image"].numpy()) and (into["image"][6:] == 7).all()
+
+
+@pytest.mark.parametrize("max_open", [64, 3])
+def test_jobs_built_on_two_threads_are_the_batches_getitems_gives(tmp_path: Path, max_open: int) -> None:
+    # max_open 3 over 13 shards: planning a run drops the shards of earlier runs (a FENCE before it), while
+    # the batch thread and the consumer build batches of the run before; the data must stay exact
+    paths, rows = _shards(tmp_path, [4] * 12 + [9])
+    n = sum(rows)
+    for epoch in range(3):
+        sampler = EpochBatches(epoch_order(n, 0, epoch, True), 4, batch_count(n, 4, drop_last=False))
+        fences = sum(job is FENCE for job in ShardSetDataset(paths, rows, max_open_shards=max_open).jobs(sampler))
+        assert (fences > 0) == (max_open < len(paths))
+        with ThreadPoolExecutor(1) as pool:
+            thread = BatchThread(ShardSetDataset(paths, rows, max_open_shards=max_open).jobs(sampler), 1, pool)
+            built = list(thread)
+            thread.close()
+        reference = ShardSetDataset(paths, rows, max_open_shards=max_open)
+        _same_batches(built, [reference.__getitems__(indices) for indices in sampler])
+        for batch, indices in zip(built, sampler):
+            _check_rows(batch, indices)
+
+
+def test_rows_over_64_kb_are_gathered(tmp_path: Path) -> None:
+    # a view of the whole address range in rows of 150 KB would be over 2**63 bytes: numpy refused it
+    images = np.random.default_rng(0).integers(0, 256, (6, 3, 224, 224), dtype=np.uint8)
+    table = pa.table({"image": pa.FixedShapeTensorArray.from_numpy_ndarray(images)})
+    write_shard(table, tmp_path / "big.arrow.tmp", tmp_path / "big.arrow")
+    dataset = ShardSetDataset([tmp_path / "big.arrow"], [6])
+    assert np.array_equal(dataset.__getitems__([4, 1])["image"].numpy(), images[[4, 1]])
+    into = {"image": np.zeros((2, 3, 224, 224), np.uint8)}
+    assert dataset.gather_into([5, 0], into)[0] == 2 and np.array_equal(into["image"], images[[5, 0]])
