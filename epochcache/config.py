@@ -226,6 +226,8 @@ class LoaderConfig(_Section):
     num_workers: int | None = Field(default=None, ge=0)
     prefetch_batches: int = Field(default=2, ge=1)
     pin_memory: bool = False
+    # glibc's mmap and trim thresholds fixed in the training process (epochcache.train.malloc)
+    fixed_malloc_thresholds: bool = True
     device: str | None = Field(default=None, pattern=r"^(cpu|cuda|mps|xpu)(:\d+)?$")
     epoch_samples: int | None = Field(default=None, ge=1)
     replacement: bool = False

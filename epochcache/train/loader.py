@@ -66,6 +66,7 @@ from epochcache.train.device import pinning_available, to_device
 from epochcache.train.distributed import Peers
 from epochcache.train.epochs import EpochBuilder, EpochInfo, PreparedEpoch
 from epochcache.train.leases import HeldLeases
+from epochcache.train.malloc import keep_large_allocations
 from epochcache.train.mappings import ShardMaps
 from epochcache.train.resume import Progress, read_state
 from epochcache.train.timing import PrepareClock
@@ -110,6 +111,8 @@ class EpochCachedLoader:
         self._commits = CommitMarks(self._ledger.path)  # (the ledger's connection, just opened, made its WAL index)
         self._peers = Peers.discover(self._layout.root)
         self._owner = f"{socket.gethostname()}:{os.getpid()}"
+        if self.config.fixed_malloc_thresholds:
+            keep_large_allocations()
         pin = self.config.pin_memory and pinning_available()
         workers = choose_workers(self.config.num_workers, transform is not None or sample_transform is not None)
         self._sources = BatchSources(workers, self.config.prefetch_batches, self.config.batch_size,

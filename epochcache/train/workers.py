@@ -35,7 +35,6 @@ makes a new one for the next epoch.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import itertools
 import multiprocessing
@@ -52,6 +51,7 @@ from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from epochcache.train.dataset import ShardSetDataset, Views
 from epochcache.train.device import pin_batch
+from epochcache.train.malloc import keep_large_allocations
 from epochcache.train.mappings import ShardMaps
 from epochcache.train.order import EpochBatches
 from epochcache.train.slots import Layout, SlotRing, shared_memory
@@ -313,24 +313,12 @@ class PoolEpoch:
             self.pool.close()
 
 
-# glibc's mmap threshold and heap trim threshold at their dynamic ceilings (64-bit glibc: 32 MiB, and
-# twice that: see mallopt(3)).
-_MMAP_THRESHOLD = 32 << 20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
 def _keep_large_allocations(_worker_id: int) -> None:
-    """In each worker as it starts: large allocations served from the heap and kept there.
+    """In each worker as it starts (:func:`epochcache.train.malloc.keep_large_allocations`).
 
     A worker allocates a few batch-sized buffers per batch (the transform's output, the pickled message
-    of what misses the slots). glibc gives each allocation of 128 KiB or more a fresh mapping, faulted
-    in page by page and unmapped on free, until a free raises that threshold; workers forked from a
-    trainer that had already freed large buffers inherit the raised one, workers forked early (see
-    WorkerPool.start) do not: measured 171k page faults per worker against 5k, and twice the CPU per
-    sample (benchmarks/peers.py, 2 workers, bytes + transform). Fixing the thresholds (which also ends
-    glibc's adjusting them) makes every worker reuse its heap, whenever it forked. Where the C library
-    has no mallopt (not glibc), nothing changes."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is not None:
-        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
-        mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD)
+    of what misses the slots). Workers forked from a trainer that had already freed large buffers
+    inherit glibc's raised thresholds, workers forked early (see WorkerPool.start) do not: measured
+    171k page faults per worker against 5k, and twice the CPU per sample (benchmarks/peers.py, 2
+    workers, bytes + transform). Fixed thresholds make every worker reuse its heap, whenever it forked."""
+    keep_large_allocations()
