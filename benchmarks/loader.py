@@ -37,7 +37,7 @@ from epochcache.cache.ledger import Ledger
 from epochcache.cache.shards import open_shard
 from epochcache.config import Config, load_config
 from epochcache.tools.pss import tree_pss_bytes
-from epochcache.train.dataset import _numpy_view
+from epochcache.train.held import numpy_view
 
 SHAPE = (3, 64, 64)
 SAMPLE_BYTES = int(np.prod(SHAPE)) + 8
@@ -75,7 +75,7 @@ def shard_columns(cache: Path) -> list[np.ndarray]:
     columns = []
     for record in ledger.shards():
         table = open_shard(layout.shards / record.filename)
-        columns += [_numpy_view(table.column(name).chunk(0)) for name in ("image", "label")]
+        columns += [numpy_view(table.column(name).chunk(0)) for name in ("image", "label")]
     ledger.close()
     return columns
 

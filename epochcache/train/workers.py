@@ -49,8 +49,9 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-from epochcache.train.dataset import ShardSetDataset, Views
+from epochcache.train.dataset import ShardSetDataset
 from epochcache.train.device import pin_batch
+from epochcache.train.held import Views
 from epochcache.train.malloc import keep_large_allocations
 from epochcache.train.mappings import ShardMaps
 from epochcache.train.order import EpochBatches

@@ -99,7 +99,7 @@ def test_binary_column_comes_as_zero_copy_buffers(tmp_path: Path) -> None:
     ds = ShardSetDataset([tmp_path / "t.arrow"], [3])
     blobs = ds.__getitems__([1, 2])["blob"]
     assert all(isinstance(b, pa.Buffer) for b in blobs) and [bytes(b) for b in blobs] == [b"cde", b"f"]
-    views = ds._views(0)
+    views = ds._shards.views(0)
     assert views is not None
     mapped = views["blob"]._data  # type: ignore[union-attr]  # the shard's one mapped data buffer
     assert mapped.address <= blobs[0].address < mapped.address + mapped.size, "a slice of the mapping, not a copy"
@@ -172,13 +172,13 @@ def test_consecutive_datasets_reuse_the_shards_both_read(tmp_path: Path) -> None
     first = ShardSetDataset(paths[:2], rows[:2], maps=maps)
     second = ShardSetDataset(paths[1:], rows[1:], maps=maps)
     _check_rows(first.__getitems__(np.arange(11)), np.arange(11))
-    shared = first._views(1)
+    shared = first._shards.views(1)
     _check_rows(second.__getitems__(np.arange(6)), np.arange(5, 11))
-    assert second._views(0) is shared, "the shard both read is mapped once"
+    assert second._shards.views(0) is shared, "the shard both read is mapped once"
     _check_rows(second.__getitems__(np.arange(13)), np.arange(5, 18))
     assert len(maps) == 2, "at most max_open_shards mappings are kept"
-    assert first._views(0) is not None and len(maps) == 2
-    assert pickle.loads(pickle.dumps(second))._maps is None, "workers map their own"
+    assert first._shards.views(0) is not None and len(maps) == 2
+    assert pickle.loads(pickle.dumps(second))._shards._maps is None, "workers map their own"
 
 
 def test_unreadable_shard_rows_are_left_out_and_reported(tmp_path: Path) -> None:
