@@ -22,7 +22,8 @@ import pyarrow as pa
 
 from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import RemoteObject, Unit
-from epochcache.sources.remote import FileSource, blank_image
+from epochcache.sources.files import FileSource
+from epochcache.sources.remote import blank_image
 
 _SUFFIXES = (".arrow", ".feather", ".ipc")
 _MAGIC = b"ARROW1"

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
-from epochcache.sources.remote import FileSource
+from epochcache.sources.files import FileSource
 
 LABELS_FROM_FOLDER = "folder"
 _READERS = {".csv": pacsv.read_csv, ".jsonl": pajson.read_json, ".parquet": pq.read_table}

@@ -22,8 +22,9 @@ from fsspec.parquet import AlreadyBufferedFile
 
 from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import RemoteObject, Unit
+from epochcache.sources.files import FileSource
 from epochcache.sources.pool import release_unused
-from epochcache.sources.remote import FileSource, blank_image
+from epochcache.sources.remote import blank_image
 
 _SUFFIXES = (".parquet", ".parq")
 # pyarrow reads this much of the tail in its first footer read; serving it from one GET keeps

@@ -1,6 +1,6 @@
-"""The two primitives every source builds on: list the objects under a URL, read a byte range of
-one listed object; and :class:`FileSource`, the part every file-format source shares (URL, columns,
-listing by suffix).
+"""Reading the bytes of listed objects: :class:`RemoteFiles`, the primitive every source reads through
+(a byte range, a whole object, a range written into place), with the listing's version pinned.
+(Listing is :mod:`epochcache.sources.scan`; what the file formats share, :mod:`epochcache.sources.files`.)
 
 Errors are translated here, at the boundary: a missing object, or one changed since it was listed,
 becomes :class:`ObjectMissingError` (the daemon skips it for the pass; the next pass's listing sees
@@ -31,26 +31,20 @@ cannot be verified: the store offers no checksum of a byte range.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import mmap
 import re
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 import fsspec
 import fsspec.asyn
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from epochcache.errors import CorruptObjectError, ObjectMissingError, SourceError
-from epochcache.sources.base import KEY_COLUMN, RemoteObject
-from epochcache.sources.pool import ROWS_POOL
+from epochcache.sources.base import RemoteObject
 from epochcache.sources.retry import TruncatedReadError, describe
 
-_PAGE = 1000  # objects per listing page: S3's own page size
 _CHUNK = 1 << 20  # bytes of a GET body copied into a unit's image at a time
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
@@ -60,17 +54,7 @@ _PLAIN_MD5 = re.compile(r'^"?([0-9a-f]{32})"?$')
 _ETAG_NOT_MD5 = {"aws:kms", "aws:kms:dsse"}
 
 
-async def _take(entries: AsyncIterator[dict[str, Any]], count: int) -> list[dict[str, Any]]:
-    """Up to ``count`` next items of an async iterator (fewer only at its end)."""
-    taken: list[dict[str, Any]] = []
-    async for entry in entries:
-        taken.append(entry)
-        if len(taken) == count:
-            break
-    return taken
-
-
-def _etag(info: dict[str, Any]) -> str | None:
+def etag_of(info: dict[str, Any]) -> str | None:
     """The version a listing entry names: its ETag where the store has one, else ``<mtime>-<size>``."""
     for name in ("ETag", "etag"):
         if info.get(name):
@@ -85,7 +69,7 @@ def _bare(etag: str) -> str:
     return etag.removeprefix("W/").strip('"').lower()
 
 
-def _credentials_error(exc: BaseException) -> bool:
+def credentials_error(exc: BaseException) -> bool:
     """True for botocore's 'no usable credentials' errors (raised raw, not as OSError, by s3fs)."""
     try:
         import botocore.exceptions as bex
@@ -130,83 +114,12 @@ class RemoteFiles:
         if hasattr(self.fs, "retries"):  # s3fs's own retry loop: attempts are counted in epochcache.sources.retry
             self.fs.retries = 1
         protocols = _protocols(self.fs)
-        self._s3 = "s3" in protocols
+        self.is_s3 = "s3" in protocols
         self._local = bool({"file", "local"} & set(protocols))
         self._etags_are_md5 = True  # until the store shows otherwise (see _s3_read)
 
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
         return f"RemoteFiles({self.url!r})"
-
-    def scan(self, suffixes: Sequence[str], kind: str, page_size: int = _PAGE) -> Iterator[list[RemoteObject]]:
-        """Objects whose names end with one of ``suffixes``, sorted by path, in pages of up to
-        ``page_size``, each with its size and etag; ``kind`` names them in the error raised when
-        there are none.
-
-        On S3 the listing is streamed page by page (S3 lists keys in order), so a prefix of any size
-        is listed in bounded memory; other filesystems are listed whole, then paged.
-        """
-        found = False
-        try:
-            pages: Iterator[list[RemoteObject]]
-            if self._s3:
-                pages = self._s3_objects(page_size)
-            elif self.fs.isfile(self.root):
-                pages = iter([[self._one(self.fs.info(self.root))]])
-            else:
-                pages = self._find_pages(page_size)
-            for page in pages:
-                matching = [obj for obj in page if obj.path.endswith(tuple(suffixes))]
-                found = found or bool(matching)
-                if matching:
-                    yield matching
-        except (FileNotFoundError, PermissionError) as exc:
-            raise SourceError(f"cannot list {self.url}: {describe(exc)}: check source.url, the credentials "
-                              "and the bucket policy") from exc
-        except Exception as exc:
-            if _credentials_error(exc):
-                raise SourceError(f"cannot list {self.url}: {describe(exc)}: give credentials (AWS_* environment, "
-                                  "~/.aws, or source.storage_options key/secret)") from exc
-            raise
-        if not found:
-            raise SourceError(f"no {kind} files ({', '.join('*' + s for s in suffixes)}) under {self.url}: "
-                              "check source.url")
-
-    def _find_pages(self, page_size: int) -> Iterator[list[RemoteObject]]:
-        found = self.fs.find(self.root, detail=True)
-        objects = sorted((RemoteObject(path, int(info["size"]), _etag(info)) for path, info in found.items()
-                          if info.get("type", "file") == "file"), key=lambda o: o.path)
-        for start in range(0, len(objects), page_size):
-            yield objects[start : start + page_size]
-
-    def _one(self, info: dict[str, Any]) -> RemoteObject:
-        return RemoteObject(self.root, int(info["size"]), _etag(info))
-
-    def _s3_objects(self, page_size: int) -> Iterator[list[RemoteObject]]:
-        """The prefix's pages; a URL naming one object (nothing under it as a prefix) is that object.
-        Listed first: one request where a HEAD and a listing were two, and an error of the listing (a
-        timeout) is raised, where ``isfile`` takes any error for "not a file"."""
-        listed = False
-        for page in self._s3_pages(page_size):
-            listed = listed or bool(page)
-            yield page
-        if not listed:
-            with contextlib.suppress(FileNotFoundError):
-                info = self.fs.info(self.root)
-                if info.get("type") == "file":
-                    yield [self._one(info)]
-
-    def _s3_pages(self, page_size: int) -> Iterator[list[RemoteObject]]:
-        """s3fs's paginated ListObjectsV2 (its ``_iterdir``), ``page_size`` objects at a time."""
-        bucket, _, key = self.root.partition("/")
-        prefix = key.rstrip("/") + "/" if key else ""
-        entries = self.fs._iterdir(bucket, delimiter="", prefix=prefix)
-        try:
-            while page := fsspec.asyn.sync(self.fs.loop, _take, entries, page_size):
-                # A key ending in "/" is a folder marker (the S3 console makes them), never data.
-                yield [RemoteObject(e["name"], int(e["size"]), _etag(e)) for e in page
-                       if e.get("type") == "file" and not e["name"].endswith("/")]
-        finally:
-            fsspec.asyn.sync(self.fs.loop, entries.aclose)
 
     def fetch(self, obj: RemoteObject, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of the listed version of ``obj`` in one ranged read; exactly that
@@ -259,14 +172,14 @@ class RemoteFiles:
     def _read_unguarded(
         self, obj: RemoteObject, start: int, end: int, whole: bool, into: memoryview | None
     ) -> bytes | memoryview:
-        if self._s3 and into is not None:
+        if self.is_s3 and into is not None:
             got, reply = fsspec.asyn.sync(self.fs.loop, self._s3_get_into, obj, start, into)
             self._check_served(obj, reply)
             if got > len(into):
                 raise TruncatedReadError(f"{self._url(obj.path)} bytes {start}-{end}: the store sent more "
                                          "than asked (it ignored the range)")
             return into[:got]
-        if self._s3:
+        if self.is_s3:
             data = self._s3_read(obj, start, end, whole)
         elif self._local:
             self._check_local(obj)
@@ -296,7 +209,7 @@ class RemoteFiles:
                 raise self._changed(obj, "its ETag no longer matches") from exc
             raise
         except Exception as exc:
-            if _credentials_error(exc):
+            if credentials_error(exc):
                 raise SourceError(f"cannot read {url}: {describe(exc)}: give credentials") from exc
             if _checksum_error(exc):
                 raise CorruptObjectError(f"{url}: the store's checksum does not match the bytes read: "
@@ -371,7 +284,7 @@ class RemoteFiles:
 
     def _check_local(self, obj: RemoteObject) -> None:
         if obj.etag is not None:
-            now = _etag(self.fs.info(obj.path))
+            now = etag_of(self.fs.info(obj.path))
             if now != obj.etag:
                 raise self._changed(obj, f"its mtime-size went from {obj.etag} to {now}")
 
@@ -386,44 +299,3 @@ class RemoteFiles:
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-
-
-class FileSource:
-    """Base of the sources over files under one URL: subclasses set ``suffixes`` and ``kind`` (what the
-    files are called in the error when none is found) and add the :class:`Source` protocol's ``units``
-    and ``read``.
-
-    ``columns`` None means all; an empty list is refused, since it would cache rows of nothing.
-    """
-
-    suffixes: tuple[str, ...] = ()
-    kind: str = "file"
-    column_word: str = "column"  # what a selectable column is called in this format
-
-    def __init__(
-        self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None
-    ) -> None:
-        if columns is not None and not columns:
-            raise SourceError(
-                f"source.columns is an empty list: name at least one {self.column_word}, or null for all"
-            )
-        self.url = url
-        self.columns = list(columns) if columns is not None else None
-        self._remote = RemoteFiles(url, storage_options)
-
-    def __repr__(self) -> str:  # never show storage_options: they may hold credentials
-        return f"{type(self).__name__}({self.url!r})"
-
-    def list_objects(self) -> list[RemoteObject]:
-        return [obj for page in self.scan_objects() for obj in page]
-
-    @staticmethod
-    def _keyed(table: pa.Table, prefix: str, first: int) -> pa.Table:
-        """``table`` with :data:`KEY_COLUMN` appended: ``<prefix><first + row>`` for each row."""
-        rows = pa.array(np.arange(first, first + table.num_rows, dtype=np.int64))
-        keys = pc.binary_join_element_wise(prefix, pc.cast(rows, pa.string(), memory_pool=ROWS_POOL), "",
-                                           memory_pool=ROWS_POOL)
-        return table.append_column(KEY_COLUMN, keys)
-
-    def scan_objects(self) -> Iterator[list[RemoteObject]]:
-        return self._remote.scan(self.suffixes, self.kind)

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from epochcache.errors import CorruptObjectError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
-from epochcache.sources.remote import FileSource
+from epochcache.sources.files import FileSource
 
 _SUFFIXES = (".tar",)
 _END_BLOCKS = 2 * tarfile.BLOCKSIZE  # the end-of-archive marker: two zero blocks

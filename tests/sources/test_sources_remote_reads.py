@@ -10,6 +10,7 @@ import s3fs
 
 from epochcache.sources.remote import RemoteFiles, blank_image
 from epochcache.sources.retry import TruncatedReadError
+from epochcache.sources.scan import scan
 
 DATA = bytes(range(256)) * 4096  # 1 MiB: several of aiohttp's received chunks
 
@@ -22,7 +23,7 @@ def remote(s3: s3fs.S3FileSystem, bucket: str, s3_options: dict[str, Any]) -> Re
 
 @pytest.mark.parametrize("start, end", [(0, len(DATA)), (1000, 700_001), (len(DATA) - 5, len(DATA))])
 def test_a_range_is_written_into_place_exactly(remote: RemoteFiles, start: int, end: int) -> None:
-    ((obj,),) = remote.scan([".bin"], "blob")
+    ((obj,),) = scan(remote, [".bin"], "blob")
     image = blank_image(end - start + 16)
     view = memoryview(image)
     remote.fetch_into(obj, start, view[: end - start])
@@ -39,7 +40,7 @@ def test_a_store_that_ignores_the_range_is_an_error_not_bytes_at_wrong_offsets(
         return {k: v for k, v in request(*args).items() if k != "Range"}
 
     monkeypatch.setattr(remote, "_s3_request", unranged)
-    ((obj,),) = remote.scan([".bin"], "blob")
+    ((obj,),) = scan(remote, [".bin"], "blob")
     out = memoryview(blank_image(1000))
     with pytest.raises(TruncatedReadError, match="sent more than asked"):
         remote.fetch_into(obj, 5000, out)

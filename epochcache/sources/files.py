@@ -1,0 +1,64 @@
+"""FileSource: the part every file-format source shares: its URL, its columns, its listing by suffix.
+
+In: a source URL, the columns selected (None: all) and fsspec's storage options. Out: the objects to
+read (:meth:`FileSource.scan_objects`, :func:`epochcache.sources.scan.scan` over the format's
+suffixes) and the :class:`~epochcache.sources.remote.RemoteFiles` that reads their bytes; subclasses
+(Parquet, Arrow IPC, WebDataset, whole objects) add the :class:`Source` protocol's ``units`` and
+``read``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from epochcache.errors import SourceError
+from epochcache.sources.base import KEY_COLUMN, RemoteObject
+from epochcache.sources.pool import ROWS_POOL
+from epochcache.sources.remote import RemoteFiles
+from epochcache.sources.scan import scan
+
+
+class FileSource:
+    """Base of the sources over files under one URL: subclasses set ``suffixes`` and ``kind`` (what the
+    files are called in the error when none is found) and add the :class:`Source` protocol's ``units``
+    and ``read``.
+
+    ``columns`` None means all; an empty list is refused, since it would cache rows of nothing.
+    """
+
+    suffixes: tuple[str, ...] = ()
+    kind: str = "file"
+    column_word: str = "column"  # what a selectable column is called in this format
+
+    def __init__(
+        self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None
+    ) -> None:
+        if columns is not None and not columns:
+            raise SourceError(
+                f"source.columns is an empty list: name at least one {self.column_word}, or null for all"
+            )
+        self.url = url
+        self.columns = list(columns) if columns is not None else None
+        self._remote = RemoteFiles(url, storage_options)
+
+    def __repr__(self) -> str:  # never show storage_options: they may hold credentials
+        return f"{type(self).__name__}({self.url!r})"
+
+    def list_objects(self) -> list[RemoteObject]:
+        return [obj for page in self.scan_objects() for obj in page]
+
+    @staticmethod
+    def _keyed(table: pa.Table, prefix: str, first: int) -> pa.Table:
+        """``table`` with :data:`KEY_COLUMN` appended: ``<prefix><first + row>`` for each row."""
+        rows = pa.array(np.arange(first, first + table.num_rows, dtype=np.int64))
+        keys = pc.binary_join_element_wise(prefix, pc.cast(rows, pa.string(), memory_pool=ROWS_POOL), "",
+                                           memory_pool=ROWS_POOL)
+        return table.append_column(KEY_COLUMN, keys)
+
+    def scan_objects(self) -> Iterator[list[RemoteObject]]:
+        return scan(self._remote, self.suffixes, self.kind)
