@@ -9,11 +9,12 @@ nothing changes.
 Why: glibc gives each allocation of 128 KiB or more a fresh mapping until a free raises that
 threshold, and trims a thread's heap back to the kernel once its free top passes the trim threshold.
 Batches of ~1 MB built on two threads (the batch thread and the consumer) and freed by the trainer
-kept doing both: 2-31 page faults per batch and 57-133 µs per batch, against none and 52-78 µs with
-the thresholds fixed (thread mode, 12 KB rows, batch 64; benchmarks/loader.py: 33-39% of a numpy
-copy against 46%). Worker processes always fix them (they are ours); the training process does when
-``loader.fixed_malloc_thresholds`` is on (the default), since the setting is process-wide: up to
-64 MiB freed at the top of each heap stays with the process.
+made it do both in some runs: 9-15 page faults and 77-110 µs per batch, against 0-2 and 60-80 µs
+with the thresholds fixed (thread mode, 12 KB rows, batch 64, 4 epochs each); in other runs glibc
+did not trim, and both settings ran alike. Worker processes always fix the thresholds (they are
+ours); the training process does when ``loader.fixed_malloc_thresholds`` is on (the default), since
+the setting is process-wide. The values are those glibc's own adjustment converges to, so the
+process holds what it would after its first large free: up to 64 MiB freed at the top of a heap.
 """
 
 from __future__ import annotations
