@@ -8,7 +8,6 @@ import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import wait_for
@@ -85,18 +84,19 @@ def test_workers_fork_before_the_epoch_waits_for_its_snapshot(synced: Config, mo
 
 @pytest.fixture
 def prepared(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Set once a loader has prepared an epoch ahead: a test that waits for it mid-epoch has the next
-    epoch queued on the worker pool at the batch after, well before the epoch's last batch."""
+    """Set once the epoch a loader with workers prepares ahead is built (its future done, not merely
+    its build returned): a test that waits for it mid-epoch has the next epoch queued on the worker
+    pool at the batch after, well before the epoch's last batch. (Loaders without workers, such as
+    :func:`_reference`'s, run to their epoch's end and prepare ahead too: they never set it.)"""
     done = threading.Event()
-    prepare = EpochCachedLoader._prepare
+    prepare_ahead = EpochCachedLoader._prepare_ahead
 
-    def prepare_then_tell(loader: EpochCachedLoader, epoch: int, ahead: bool, resume: Any) -> Any:
-        built = prepare(loader, epoch, ahead, resume)
-        if ahead:
-            done.set()
-        return built
+    def prepare_ahead_then_tell(loader: EpochCachedLoader, epoch: int) -> None:
+        prepare_ahead(loader, epoch)
+        if loader.num_workers and loader._next is not None:  # (None once closed)
+            loader._next[1].add_done_callback(lambda _: done.set())
 
-    monkeypatch.setattr(EpochCachedLoader, "_prepare", prepare_then_tell)
+    monkeypatch.setattr(EpochCachedLoader, "_prepare_ahead", prepare_ahead_then_tell)
     return done
 
 
