@@ -41,7 +41,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import Dataset
 
-from epochcache.train.held import BufferColumn, Column, HeldShards, StringColumn, Views
+from epochcache.train.held import BufferColumn, Column, HeldShards, StringColumn, Views, distinct
 from epochcache.train.jobs import FENCE, Job, Planned, run_in_order
 from epochcache.train.mappings import DEFAULT_MAX_OPEN_SHARDS, ShardMaps
 from epochcache.train.order import EpochBatches
@@ -147,7 +147,7 @@ class ShardSetDataset(Dataset[Batch]):
     def _hold_run(self, shard_of: np.ndarray) -> bool:
         """Hold every shard of a run if they fit in ``max_open_shards`` together and all can be read."""
         self._shards.reference()
-        if self._shards.count > self._shards.max_open and len(np.unique(shard_of)) > self._shards.max_open:
+        if self._shards.count > self._shards.max_open and len(distinct(shard_of)) > self._shards.max_open:
             return False
         return bool(self._shards.hold(shard_of).all())
 
@@ -172,7 +172,7 @@ class ShardSetDataset(Dataset[Batch]):
         """Row selections of a batch, each touching at most ``max_open_shards`` shards (one, all rows, mostly)."""
         if self._shards.count <= self._shards.max_open:
             return [slice(None)]
-        touched = np.unique(shard_of)
+        touched = distinct(shard_of)
         if len(touched) <= self._shards.max_open:
             return [slice(None)]
         groups = [touched[i : i + self._shards.max_open] for i in range(0, len(touched), self._shards.max_open)]
