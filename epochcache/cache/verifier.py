@@ -1,8 +1,9 @@
 """BackgroundVerifier: checksums shards not yet verified on this host, off the batch path.
 
-In: shard records handed over by the loader once an epoch's first batch is out; out: each record's
-file checked against its checksum on this verifier's own thread, then recorded in the ledger
-(``Ledger.mark_verified``, so no process on this host checks it again) or quarantined.
+In: shard records handed over by the loader (on its cleanup thread) once the trainer is back from an
+epoch's first batch; out: each record's file checked against its checksum on this verifier's own
+thread, then recorded in the ledger (``Ledger.mark_verified``, so no process on this host checks it
+again) or quarantined.
 
 Invariants: nothing is checksummed before an epoch's first batch, and a shard is checked at most
 once per verifier (and, through the ledger, once per host: shards the daemon wrote are verified at
@@ -43,7 +44,8 @@ class BackgroundVerifier:
         self._thread.start()
 
     def submit(self, records: Iterable[ShardRecord]) -> int:
-        """Queue the records not verified yet and not queued before; returns how many were queued."""
+        """Queue the records not verified yet and not queued before; returns how many were queued.
+        From one thread at a time (the loader's cleanup thread): the records seen are not locked."""
         fresh = [r for r in records if not r.verified and r.id not in self._seen]
         for record in fresh:
             self._seen.add(record.id)

@@ -103,6 +103,7 @@ def test_shards_are_checksummed_after_the_first_batch_once_per_host(
         batches = iter(loader)
         next(batches)
         first_batch_out.set()
+        next(batches)  # the trainer is back from the first batch: the shards are queued for checking
         wait_for(lambda: all(r.verified for r in ledger.shards()), timeout=10)
         list(batches)
         list(loader)  # a second epoch checks nothing again
