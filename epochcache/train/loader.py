@@ -277,6 +277,7 @@ class EpochCachedLoader:
         self._prepare_pool.shutdown(wait=True)
         self._cleanup_pool.shutdown(wait=True)
         self._sources.close()
+        self._maps.clear()  # (unmapped now, not when the loader is collected: see ShardMaps)
         self._leases.close()
         if self._verifier is not None:
             self._verifier.close()
