@@ -17,9 +17,10 @@ ring's lifetime does not reach user code.
 
 Invariant: a slot is never written while a batch in it is unread. Each slot has a shared int64, the
 one batch number allowed to write it next; the trainer raises it by ``count`` only after copying the
-slot out. A worker whose slot is not free yet (the DataLoader fetches further ahead than the ring
-holds) sends that batch through the pipe instead: it never waits and never overwrites. A batch that
-does not fit the slots (a transform that changes shapes or dtypes) also goes through the pipe.
+slot out, or once that batch came through the pipe instead. A worker whose slot is not free yet (the
+DataLoader fetches further ahead than the ring holds) sends that batch through the pipe: it never
+waits and never overwrites. A batch that does not fit the slots (a transform that changes shapes or
+dtypes) also goes through the pipe, as do the batches before the ring's first.
 """
 
 from __future__ import annotations
@@ -109,12 +110,8 @@ class SlotRing:
             return False
         rows = set()
         for name, (dtype, shape) in self._layout.items():
-            value = batch.get(name)
-            if isinstance(value, torch.Tensor):
-                if value.device.type != "cpu":
-                    return False
-                value = value.numpy()
-            if not isinstance(value, np.ndarray) or value.dtype != dtype or value.shape[1:] != shape:
+            value = as_cpu_array(batch.get(name))
+            if value is None or value.ndim == 0 or value.dtype != dtype or value.shape[1:] != shape:
                 return False
             rows.add(len(value))
         return len(rows) == 1 and rows.pop() <= self._batch_size
@@ -136,10 +133,15 @@ class SlotRing:
         travels in it as numpy (see :mod:`epochcache.train.wire`)."""
         return SlotBatch(number, rows, to_wire({k: v for k, v in batch.items() if k not in self._layout}))
 
-    def receive(self, message: Any) -> Any:
-        """In the trainer: the batch as tensors of its own; frees the slot.
-        Anything but a :class:`SlotBatch` came through the pipe and is only unwrapped."""
+    def receive(self, message: Any, number: int) -> Any:
+        """In the trainer: batch ``number`` as tensors of its own; frees its slot. Anything but a
+        :class:`SlotBatch` came through the pipe and is only unwrapped: the slot is passed on to the
+        batch after, had it waited for this one (else it would wait for ever, and every batch of that
+        slot after it take the pipe)."""
         if not isinstance(message, SlotBatch):
+            slot = number % self._count
+            if int(self._next_writer[slot]) == number:
+                self._next_writer[slot] = number + self._count
             return from_wire(message)
         slot = message.number % self._count
         arrays = self._arrays(slot)
@@ -156,6 +158,19 @@ class SlotRing:
             ).reshape(self._batch_size, *shape)
             for name, (dtype, shape) in self._layout.items()
         }
+
+
+def as_cpu_array(value: Any) -> np.ndarray | None:
+    """``value`` as a numpy array without a copy, if it is one or a CPU tensor numpy can hold (not
+    one that requires grad, nor of a dtype numpy lacks, such as bfloat16); else None."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu" or value.requires_grad or value.dtype == torch.bfloat16:
+            return None
+        try:
+            return value.numpy()
+        except TypeError:  # another dtype numpy lacks (e.g. the float8 ones)
+            return None
+    return value if isinstance(value, np.ndarray) else None
 
 
 def _attached(layout: Layout, batch_size: int, count: int, fd: int) -> SlotRing:

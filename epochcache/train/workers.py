@@ -21,9 +21,15 @@ batch is handed out, and waits in the pool (:meth:`WorkerPool.batches`). A trace
 DataLoader's ``next`` and the copy out of the slot, both slower there than mid-epoch (50 + 30 µs).
 
 The workers may fork before any epoch exists (:meth:`WorkerPool.start`: the loader starts them while
-it waits for the first shard), so the pool learns its slots' layout with its first epoch
-(:meth:`WorkerPool.fit`), makes the slot ring then in shared memory the workers inherited (made with
-the pool), and sends it to them with that epoch's dataset.
+it waits for the first shard), so the pool learns its slots' layout later, makes the slot ring then
+in shared memory the workers inherited (made with the pool), and sends it to them on their dataset
+queues, for the batches not yet handed to the DataLoader. Without a transform the layout is the
+dataset's fixed-width columns, known with the first epoch (:meth:`WorkerPool.fit`). With one, the
+batches are what the transform makes of them, so the layout is learned from the first batch
+received (through the pipe, as every batch is until the ring reaches the workers, a few batches
+into the first epoch): its tensors' dtypes and item shapes. A transform that turns binary rows into
+an image tensor otherwise sent every image through the pipe, pickled: 55,000 samples/s with 2
+workers against 220,000 through the slots (64 x 12 KB per batch, benchmarks/peers.py's "bytes" layout).
 
 Invariant: every item queued is read back, in order, before the pool is used again (``serial`` is the
 slot number, which the slot ring needs in order, and the items of an epoch left unread would be
@@ -55,7 +61,7 @@ from epochcache.train.held import Views
 from epochcache.train.malloc import keep_large_allocations
 from epochcache.train.mappings import ShardMaps
 from epochcache.train.order import EpochBatches
-from epochcache.train.slots import Layout, SlotRing, shared_memory
+from epochcache.train.slots import Layout, SlotRing, as_cpu_array, shared_memory
 from epochcache.train.transform import BatchTransform, SampleTransform, TransformedDataset
 from epochcache.train.wire import from_wire, to_wire
 
@@ -96,7 +102,7 @@ class _WorkerData(Dataset[Any]):
 
     def __init__(self, datasets: list[Any], transform: BatchTransform | None, sample_transform: SampleTransform | None):
         self._datasets = datasets
-        self._ring: SlotRing | None = None  # arrives with the first epoch, if the dataset has fixed-width columns
+        self._ring: SlotRing | None = None  # arrives once the pool knows its layout (none if no tensor columns)
         self._transform, self._sample_transform = transform, sample_transform
         self._loaded: dict[int, TransformedDataset] = {}  # by epoch tag: the current and the next
         self._ready = threading.Condition()
@@ -110,7 +116,7 @@ class _WorkerData(Dataset[Any]):
 
     def __getitems__(self, item: Item) -> Any:
         tag, serial, indices = item
-        data = self._epoch(tag)  # (after which the ring, if any, has arrived)
+        data = self._epoch(tag)  # (a ring sent before its dataset has arrived by then)
         if self._ring is None:
             return data.__getitems__(indices)
         slot = self._ring.claim(serial) if data.plain else None
@@ -137,19 +143,20 @@ class _WorkerData(Dataset[Any]):
             return self._loaded[tag]
 
     def _receive(self, datasets: Any) -> None:
-        """The receiving thread: each dataset queued for this worker (the first with the slot ring),
-        opened, then made available."""
+        """The receiving thread: what is queued for this worker, in order: the slot ring (once), and
+        each epoch's dataset, opened, then made available."""
         maps: ShardMaps[Views] | None = None
         while True:
-            tag, dataset, ring = datasets.get()
+            tag, received = datasets.get()
+            if isinstance(received, SlotRing):
+                self._ring = received
+                continue
             if maps is None:
-                maps = ShardMaps(dataset.max_open_shards)
-            dataset.use_maps(maps)
-            dataset.open()
+                maps = ShardMaps(received.max_open_shards)
+            received.use_maps(maps)
+            received.open()
             with self._ready:
-                if ring is not None:
-                    self._ring = ring
-                self._loaded[tag] = TransformedDataset(dataset, self._transform, self._sample_transform)
+                self._loaded[tag] = TransformedDataset(received, self._transform, self._sample_transform)
                 self._ready.notify_all()
 
 
@@ -178,7 +185,6 @@ class WorkerPool:
         self._release_memory = weakref.finalize(self, os.close, self._memory)
         self.layout: dict[str, Any] | None = None
         self._ring: SlotRing | None = None
-        self._ring_unsent: SlotRing | None = None  # the ring, until it went to the workers with an epoch
         self._feed = _Feed()
         self._loader = DataLoader(
             # the queues reach the workers through fork (they cannot be pickled)
@@ -188,6 +194,7 @@ class WorkerPool:
             worker_init_fn=_keep_large_allocations,
         )
         self._iterator: _MultiProcessingDataLoaderIter | None = None
+        self._transformed = transform is not None or sample_transform is not None
         self._tags = itertools.count()
         self._queued = 0  # items queued, which are the serial numbers so far
         self._taken = 0  # batches read back
@@ -197,13 +204,39 @@ class WorkerPool:
         self.closed = False
 
     def fit(self, layout: Layout) -> bool:
-        """Whether the pool takes epochs of ``layout``: the first layout given is the pool's (its slot
-        ring is made for it; none for an empty one), any other is refused."""
+        """Whether the pool takes epochs of ``layout`` (a dataset's fixed-width columns): the first
+        layout given is the pool's, any other is refused. Without a transform its slot ring is made
+        for it now (none for an empty one); with one, from the first batch received (:meth:`_learn`)."""
         if self.layout is None:
             self.layout = dict(layout)
-            if layout:
-                self._ring = self._ring_unsent = SlotRing(layout, self._batch_size, self._slots, fd=self._memory)
+            if layout and not self._transformed:
+                self._make_ring(layout)
         return self.layout == dict(layout)
+
+    def _make_ring(self, layout: Layout) -> None:
+        """The slot ring for batches of ``layout``, sent to the workers now (pickled by each queue's
+        thread: its layout and the memory's descriptor, which they inherited). Its first batch is the
+        next one handed to the DataLoader: a worker sends those before it through the pipe, even once
+        the ring reached it, and so does one that builds a later batch before the ring arrives."""
+        self._ring = SlotRing(layout, self._batch_size, self._slots, self._feed.handed, fd=self._memory)
+        for datasets in self._datasets:
+            datasets.put((None, self._ring))
+
+    def _learn(self, batch: Any) -> None:
+        """Make the slot ring for batches like ``batch``, the first one received of a transformed
+        epoch: its CPU tensors (and arrays) that numpy can hold, as many rows as its first one (a
+        column of other rows, like a value of another type, goes on through the pipe; so does every
+        batch that does not fit, see SlotRing.fits)."""
+        layout: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
+        rows = None
+        for name, value in batch.items() if isinstance(batch, dict) else ():
+            array = as_cpu_array(value)
+            if array is None or array.ndim == 0 or (rows is not None and len(array) != rows):
+                continue
+            rows = len(array)
+            layout[name] = (array.dtype, array.shape[1:])
+        if layout:
+            self._make_ring(layout)
 
     def start(self) -> None:
         """Fork the workers now, if not yet (they wait for the first epoch queued)."""
@@ -234,10 +267,8 @@ class WorkerPool:
         """Queue an epoch: ``sampler``'s batches of ``dataset``, after every epoch queued before.
         The pool must :meth:`fit` the dataset's layout."""
         tag, first = next(self._tags), self._queued
-        ring, self._ring_unsent = self._ring_unsent, None
         for datasets in self._datasets:
-            # pickled by the queue's thread: only paths (see ShardSetDataset) and, once, the ring
-            datasets.put((tag, dataset, ring))
+            datasets.put((tag, dataset))  # pickled by the queue's thread: only paths (see ShardSetDataset)
         self._queued += len(sampler)
         self._feed.extend((tag, first + k, indices) for k, indices in enumerate(sampler))
 
@@ -268,8 +299,13 @@ class WorkerPool:
             # before anything was queued); a new one (the workers kept) takes the items queued since.
             self._iterator = self._iterate()
         message = next(self._running())
-        self._taken += 1
-        batch = self._ring.receive(message) if self._ring is not None else from_wire(message)
+        number, self._taken = self._taken, self._taken + 1
+        if self._ring is not None:
+            batch = self._ring.receive(message, number)
+        else:
+            batch = from_wire(message)
+            if self._transformed:
+                self._learn(batch)
         return pin_batch(batch) if self._pin else batch
 
     def close(self) -> None:

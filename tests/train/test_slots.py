@@ -14,6 +14,7 @@ from conftest import ITEM_SHAPE
 from epochcache import EpochCachedLoader
 from epochcache.config import Config
 from epochcache.train.slots import SlotBatch, SlotRing, shared_memory
+from epochcache.train.wire import to_wire
 
 LAYOUT = {"image": (np.dtype(np.uint8), ITEM_SHAPE), "id": (np.dtype(np.int64), ())}
 
@@ -28,7 +29,7 @@ def test_batch_round_trips_through_its_slot_with_extra_columns() -> None:
     ring = SlotRing(LAYOUT, batch_size=4, count=3)
     message = ring.send(0, {**_batch([5, 6, 7]), "name": ["a", "b", "c"]})
     assert isinstance(message, SlotBatch) and (message.number, message.rows) == (0, 3)
-    batch = ring.receive(message)
+    batch = ring.receive(message, 0)
     assert torch.equal(batch["id"], torch.tensor([5, 6, 7])) and torch.equal(batch["image"], _batch([5, 6, 7])["image"])
     assert batch["name"] == ["a", "b", "c"]
 
@@ -39,9 +40,18 @@ def test_slot_is_not_written_again_until_its_batch_is_received() -> None:
     assert ring.send(1, _batch([3, 4])) is not None, "another slot is free"
     assert ring.send(2, _batch([9, 9])) is None, "slot 0 still holds batch 0: batch 2 must take the pipe"
     assert ring.claim(2) is None
-    first = ring.receive(held)
+    first = ring.receive(held, 0)
     assert ring.send(2, _batch([5, 6])) is not None, "received: slot 0 is free for batch 2"
     assert torch.equal(first["id"], torch.tensor([1, 2])), "a received batch is a copy the ring does not reuse"
+
+
+def test_a_batch_that_took_the_pipe_passes_its_slot_on_to_the_batch_after() -> None:
+    ring = SlotRing(LAYOUT, batch_size=2, count=2)
+    held = ring.send(0, _batch([1, 2]))
+    assert ring.send(2, _batch([5, 6])) is None, "slot 0 still holds batch 0: batch 2 takes the pipe"
+    ring.receive(held, 0)
+    assert torch.equal(ring.receive(to_wire(_batch([5, 6])), 2)["id"], torch.tensor([5, 6])), "unwrapped"
+    assert ring.send(4, _batch([7, 8])) is not None, "slot 0 waits for batch 4 now, not for batch 2 for ever"
 
 
 def test_ring_of_a_resumed_epoch_starts_at_its_first_batch() -> None:
@@ -72,20 +82,23 @@ def _to_float(batch: dict) -> dict:
     return {**batch, "image": batch["image"].float()}
 
 
-@pytest.mark.parametrize("transform", [None, _to_float], ids=["slots", "pipe-after-dtype-change"])
+@pytest.mark.parametrize("transform", [None, _to_float], ids=["slots", "slots-learned-from-a-transform"])
 def test_worker_batches_equal_the_in_process_batches(
     synced: Config, transform: Callable | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     expected = _epochs(synced, 2, num_workers=0, transform=transform)
     messages: list[type] = []
     receive = SlotRing.receive
-    monkeypatch.setattr(
-        SlotRing, "receive", lambda ring, message: messages.append(type(message)) or receive(ring, message)
-    )
+    monkeypatch.setattr(SlotRing, "receive", lambda ring, message, number: messages.append(type(message))
+                        or receive(ring, message, number))
     got = _epochs(synced, 2, num_workers=2, transform=transform)
     # the ring and the prefetch depth are sized so that no batch waits for a slot: none takes the pipe
     # (a third epoch queued in time had its first batch received too, ahead of the end of the second)
-    assert set(messages) == ({SlotBatch} if transform is None else {dict}) and len(messages) >= 2 * len(got[0])
+    if transform is None:
+        assert set(messages) == {SlotBatch} and len(messages) >= 2 * len(got[0])
+    else:  # the ring, sized after the transform's first batch (received through the pipe), carries the rest
+        pipe = [number for number, kind in enumerate(messages) if kind is dict]
+        assert pipe and len(pipe) <= 8 and set(messages[len(got[0]):]) == {SlotBatch}, messages
     assert [len(e) for e in got] == [len(e) for e in expected] and len(expected[0]) == -(-600 // 32)
     for got_epoch, expected_epoch in zip(got, expected):
         for a, b in zip(got_epoch, expected_epoch):
@@ -106,8 +119,8 @@ def test_ring_in_shared_memory_pickles_to_the_same_slots_without_resetting_them(
         attached = pickle.loads(pickle.dumps(ring))  # what a worker forked after shared_memory() receives
         assert attached.claim(2) is None, "batch 0 is unread: the attached ring must not free its slot"
         message = attached.send(1, _batch([3, 4]))
-        assert message is not None and torch.equal(ring.receive(message)["id"], torch.tensor([3, 4]))
-        assert torch.equal(ring.receive(held)["id"], torch.tensor([1, 2]))
+        assert message is not None and torch.equal(ring.receive(message, 1)["id"], torch.tensor([3, 4]))
+        assert torch.equal(ring.receive(held, 0)["id"], torch.tensor([1, 2]))
         assert attached.claim(2) is not None, "the trainer's receive freed the slot for both"
     finally:
         os.close(fd)

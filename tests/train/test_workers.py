@@ -106,7 +106,8 @@ def test_next_epochs_first_batch_is_received_before_the_last_one_is_handed_out_a
     expected = _reference(synced, 1)[0]
     received: list[int] = []
     receive = SlotRing.receive
-    monkeypatch.setattr(SlotRing, "receive", lambda ring, message: received.append(1) or receive(ring, message))
+    monkeypatch.setattr(SlotRing, "receive",
+                        lambda ring, message, number: received.append(1) or receive(ring, message, number))
     layout = CacheLayout(Path(synced.cache.dir))
     ledger = Ledger(layout.ledger)
     with EpochCachedLoader(synced.cache.dir, batch_size=32, seed=3, num_workers=2, progress=False,
