@@ -111,6 +111,22 @@ def test_worker_batches_equal_the_in_process_batches(
             assert torch.equal(batch["image"], pixels)
 
 
+def _ragged(batch: dict) -> dict:
+    """A transform whose output changes shape from batch to batch (a crop as wide as id % 4 + 1)."""
+    width = int(batch["id"][0]) % 4 + 1
+    return {**batch, "image": batch["image"][..., :width].contiguous(), "name": [str(int(i)) for i in batch["id"]]}
+
+
+def test_a_transform_whose_shapes_change_still_delivers_every_batch_intact(synced: Config) -> None:
+    expected = _epochs(synced, 2, num_workers=0, transform=_ragged)
+    got = _epochs(synced, 2, num_workers=2, transform=_ragged)  # (the ring fits some batches, the pipe the rest)
+    assert [len(e) for e in got] == [len(e) for e in expected]
+    for got_epoch, expected_epoch in zip(got, expected):
+        for a, b in zip(got_epoch, expected_epoch):
+            assert a["name"] == b["name"] and torch.equal(a["id"], b["id"]) and torch.equal(a["image"], b["image"])
+    assert len({batch["image"].shape[-1] for epoch in got for batch in epoch}) > 1
+
+
 def test_ring_in_shared_memory_pickles_to_the_same_slots_without_resetting_them() -> None:
     fd = shared_memory()
     try:
