@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from epochcache.train.wire import from_wire, to_wire
+from epochcache.train.wire import from_wire, tensor_as_numpy, to_wire
 
 # Column starts aligned to a cache line, so each gather writes whole lines of its own column.
 _ALIGN = 64
@@ -104,13 +104,14 @@ class SlotRing:
         return self._arrays(slot)
 
     def fits(self, batch: Any) -> bool:
-        """Whether ``batch`` (a dict) holds every slot column as a CPU array of the slot's dtype and
-        item shape, all with the same number of rows, at most ``batch_size``."""
+        """Whether ``batch`` (a dict) holds every slot column as a CPU tensor of the slot's dtype and
+        item shape, all with the same number of rows, at most ``batch_size``. (A numpy array does not
+        fit: the slot would hand it back as a tensor.)"""
         if not isinstance(batch, dict):
             return False
         rows = set()
         for name, (dtype, shape) in self._layout.items():
-            value = as_cpu_array(batch.get(name))
+            value = tensor_as_numpy(batch.get(name))
             if value is None or value.ndim == 0 or value.dtype != dtype or value.shape[1:] != shape:
                 return False
             rows.add(len(value))
@@ -160,17 +161,22 @@ class SlotRing:
         }
 
 
-def as_cpu_array(value: Any) -> np.ndarray | None:
-    """``value`` as a numpy array without a copy, if it is one or a CPU tensor numpy can hold (not
-    one that requires grad, nor of a dtype numpy lacks, such as bfloat16); else None."""
-    if isinstance(value, torch.Tensor):
-        if value.device.type != "cpu" or value.requires_grad or value.dtype == torch.bfloat16:
-            return None
-        try:
-            return value.numpy()
-        except TypeError:  # another dtype numpy lacks (e.g. the float8 ones)
-            return None
-    return value if isinstance(value, np.ndarray) else None
+def layout_of(batch: Any) -> Layout:
+    """The slot layout of batches like ``batch`` (a dict): its numeric CPU tensors numpy can hold
+    (bool, integer, float, complex) with as many rows as the first of them, by name, as (dtype, item
+    shape); empty if there is none. A column left out (another type, a numpy array, 0-d, other rows)
+    travels through the pipe with the rest of the batch, as it was made."""
+    layout: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
+    rows = None
+    for name, value in batch.items() if isinstance(batch, dict) else ():
+        array = tensor_as_numpy(value)
+        if array is None or array.ndim == 0 or array.dtype.kind not in "biufc":
+            continue
+        if rows is None:
+            rows = len(array)
+        if len(array) == rows:
+            layout[name] = (array.dtype, array.shape[1:])
+    return layout
 
 
 def _attached(layout: Layout, batch_size: int, count: int, fd: int) -> SlotRing:

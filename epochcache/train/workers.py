@@ -61,7 +61,7 @@ from epochcache.train.held import Views
 from epochcache.train.malloc import keep_large_allocations
 from epochcache.train.mappings import ShardMaps
 from epochcache.train.order import EpochBatches
-from epochcache.train.slots import Layout, SlotRing, as_cpu_array, shared_memory
+from epochcache.train.slots import Layout, SlotRing, layout_of, shared_memory
 from epochcache.train.transform import BatchTransform, SampleTransform, TransformedDataset
 from epochcache.train.wire import from_wire, to_wire
 
@@ -224,17 +224,8 @@ class WorkerPool:
 
     def _learn(self, batch: Any) -> None:
         """Make the slot ring for batches like ``batch``, the first one received of a transformed
-        epoch: its CPU tensors (and arrays) that numpy can hold, as many rows as its first one (a
-        column of other rows, like a value of another type, goes on through the pipe; so does every
-        batch that does not fit, see SlotRing.fits)."""
-        layout: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
-        rows = None
-        for name, value in batch.items() if isinstance(batch, dict) else ():
-            array = as_cpu_array(value)
-            if array is None or array.ndim == 0 or (rows is not None and len(array) != rows):
-                continue
-            rows = len(array)
-            layout[name] = (array.dtype, array.shape[1:])
+        epoch (:func:`~epochcache.train.slots.layout_of`), if it has tensor columns."""
+        layout = layout_of(batch)
         if layout:
             self._make_ring(layout)
 

@@ -13,7 +13,7 @@ from conftest import ITEM_SHAPE
 
 from epochcache import EpochCachedLoader
 from epochcache.config import Config
-from epochcache.train.slots import SlotBatch, SlotRing, shared_memory
+from epochcache.train.slots import SlotBatch, SlotRing, layout_of, shared_memory
 from epochcache.train.wire import to_wire
 
 LAYOUT = {"image": (np.dtype(np.uint8), ITEM_SHAPE), "id": (np.dtype(np.int64), ())}
@@ -52,6 +52,25 @@ def test_a_batch_that_took_the_pipe_passes_its_slot_on_to_the_batch_after() -> N
     ring.receive(held, 0)
     assert torch.equal(ring.receive(to_wire(_batch([5, 6])), 2)["id"], torch.tensor([5, 6])), "unwrapped"
     assert ring.send(4, _batch([7, 8])) is not None, "slot 0 waits for batch 4 now, not for batch 2 for ever"
+
+
+def test_layout_of_a_batch_keeps_the_numeric_cpu_columns_with_the_first_ones_rows() -> None:
+    batch = {
+        "names": ["a", "b"], "array": np.arange(2), "scalar": torch.tensor(1.0),
+        "image": torch.zeros(2, 3, 4, dtype=torch.uint8), "id": torch.arange(2),
+        "flags": torch.ones(2, dtype=torch.bool), "other_rows": torch.zeros(5, 2),
+        "half": torch.zeros(2, dtype=torch.bfloat16),
+        "grad": torch.zeros(2, requires_grad=True),
+    }
+    assert layout_of(batch) == {"image": (np.dtype(np.uint8), (3, 4)), "id": (np.dtype(np.int64), ()),
+                                "flags": (np.dtype(np.bool_), ())}
+    assert layout_of([1, 2]) == {} and layout_of({"names": ["a"]}) == {}
+    ring = SlotRing(layout_of(batch), batch_size=2, count=2)
+    message = ring.send(0, batch)
+    assert message is not None, "a batch fits the layout made of it"
+    received = ring.receive(pickle.loads(pickle.dumps(message)), 0)
+    assert isinstance(received["array"], np.ndarray) and received["half"].dtype == torch.bfloat16
+    assert received["grad"].requires_grad and received["names"] == ["a", "b"], "the rest arrives as it was made"
 
 
 def test_ring_of_a_resumed_epoch_starts_at_its_first_batch() -> None:
@@ -125,6 +144,20 @@ def test_a_transform_whose_shapes_change_still_delivers_every_batch_intact(synce
         for a, b in zip(got_epoch, expected_epoch):
             assert a["name"] == b["name"] and torch.equal(a["id"], b["id"]) and torch.equal(a["image"], b["image"])
     assert len({batch["image"].shape[-1] for epoch in got for batch in epoch}) > 1
+
+
+def _mixed(batch: dict) -> dict:
+    """A transform making what the slots cannot carry: bfloat16 (numpy lacks it) and a numpy array."""
+    return {"image": batch["image"].to(torch.bfloat16), "id": batch["id"].numpy().copy()}
+
+
+def test_a_transforms_bfloat16_tensors_and_numpy_arrays_arrive_from_workers_as_made(synced: Config) -> None:
+    expected = _epochs(synced, 1, num_workers=0, transform=_mixed)[0]
+    got = _epochs(synced, 1, num_workers=2, transform=_mixed)[0]
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert a["image"].dtype == torch.bfloat16 and torch.equal(a["image"], b["image"])
+        assert isinstance(a["id"], np.ndarray) and np.array_equal(a["id"], b["id"])
 
 
 def test_ring_in_shared_memory_pickles_to_the_same_slots_without_resetting_them() -> None:
