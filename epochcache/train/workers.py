@@ -210,24 +210,26 @@ class WorkerPool:
         if self.layout is None:
             self.layout = dict(layout)
             if layout and not self._transformed:
-                self._make_ring(layout)
+                self._make_ring(layout, self._batch_size)
         return self.layout == dict(layout)
 
-    def _make_ring(self, layout: Layout) -> None:
-        """The slot ring for batches of ``layout``, sent to the workers now (pickled by each queue's
-        thread: its layout and the memory's descriptor, which they inherited). Its first batch is the
-        next one handed to the DataLoader: a worker sends those before it through the pipe, even once
-        the ring reached it, and so does one that builds a later batch before the ring arrives."""
-        self._ring = SlotRing(layout, self._batch_size, self._slots, self._feed.handed, fd=self._memory)
+    def _make_ring(self, layout: Layout, rows: int) -> None:
+        """The slot ring for batches of ``layout`` of up to ``rows`` rows, sent to the workers now
+        (pickled by each queue's thread: its layout and the memory's descriptor, which they
+        inherited). Its first batch is the next one handed to the DataLoader: a worker sends those
+        before it through the pipe, even once the ring reached it, and so does one that builds a
+        later batch before the ring arrives."""
+        self._ring = SlotRing(layout, rows, self._slots, self._feed.handed, fd=self._memory)
         for datasets in self._datasets:
             datasets.put((None, self._ring))
 
     def _learn(self, batch: Any) -> None:
         """Make the slot ring for batches like ``batch``, the first one received of a transformed
-        epoch (:func:`~epochcache.train.slots.layout_of`), if it has tensor columns."""
+        epoch (:func:`~epochcache.train.slots.layout_of`), if it has tensor columns: with room for
+        ``batch_size`` rows, or for as many as it has (a transform may make more rows than it got)."""
         layout = layout_of(batch)
         if layout:
-            self._make_ring(layout)
+            self._make_ring(layout, max(self._batch_size, len(batch[next(iter(layout))])))
 
     def start(self) -> None:
         """Fork the workers now, if not yet (they wait for the first epoch queued)."""

@@ -146,6 +146,24 @@ def test_a_transform_whose_shapes_change_still_delivers_every_batch_intact(synce
     assert len({batch["image"].shape[-1] for epoch in got for batch in epoch}) > 1
 
 
+def _doubled(batch: dict) -> dict:
+    """A transform making more rows than it got (each sample twice, as a two-view augmentation would)."""
+    return {name: torch.cat([value, value]) for name, value in batch.items()}
+
+
+def test_a_transform_that_makes_more_rows_than_a_batch_has_them_carried_by_the_slots(
+    synced: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = _epochs(synced, 2, num_workers=0, transform=_doubled)
+    messages: list[type] = []
+    receive = SlotRing.receive
+    monkeypatch.setattr(SlotRing, "receive", lambda ring, message, number: messages.append(type(message))
+                        or receive(ring, message, number))
+    got = _epochs(synced, 2, num_workers=2, transform=_doubled)
+    assert len(got[0][0]["id"]) == 64 and set(messages[len(got[0]):]) == {SlotBatch}
+    assert all(torch.equal(a[k], b[k]) for ge, ee in zip(got, expected) for a, b in zip(ge, ee) for k in a)
+
+
 def _mixed(batch: dict) -> dict:
     """A transform making what the slots cannot carry: bfloat16 (numpy lacks it) and a numpy array."""
     return {"image": batch["image"].to(torch.bfloat16), "id": batch["id"].numpy().copy()}
