@@ -22,14 +22,20 @@ from contextlib import contextmanager
 @contextmanager
 def frozen_heap() -> Iterator[None]:
     """In the main thread (the daemon's own process: ``epochcache sync``, or a process forked to run
-    it; a loader forking its workers), leave the objects alive now out of garbage collection until the
-    block ends; then they are collected as before (cyclic garbage among them waits until then), unless
-    objects were frozen before (a loader's workers still running): those stay frozen, and so do these.
-    In another thread (a daemon run inside a larger program), nothing changes: the heap is not the
-    daemon's to freeze."""
+    it), :func:`frozen_objects` for the block. In another thread (a daemon run inside a larger
+    program), nothing changes: the heap is not the daemon's to freeze."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    with frozen_objects():
+        yield
+
+
+@contextmanager
+def frozen_objects() -> Iterator[None]:
+    """Leave the objects alive now out of garbage collection until the block ends; then they are
+    collected as before (cyclic garbage among them waits until then), unless objects were frozen
+    before (a loader's workers still running, a daemon's run): those stay frozen, and so do these."""
     frozen_before = gc.get_freeze_count() > 0
     gc.freeze()
     try:

@@ -49,7 +49,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-from epochcache.sync.memory import frozen_heap
+from epochcache.sync.memory import frozen_objects
 from epochcache.train.dataset import ShardSetDataset
 from epochcache.train.device import pin_batch
 from epochcache.train.held import Views
@@ -225,7 +225,7 @@ class WorkerPool:
             # copied, epoch after epoch; frozen objects are never visited. Frozen only while the
             # workers run: the garbage among them (cycles only a collection frees) is kept until
             # close(), not for the process's life, once more at each pool started.
-            self._frozen.enter_context(frozen_heap())
+            self._frozen.enter_context(frozen_objects())
             self._iterator = self._iterate()
         return self._iterator
 
