@@ -39,7 +39,7 @@ from typing import Any
 from epochcache.cache.layout import SHARD_SUFFIX
 from epochcache.cache.ledger_daemon import DaemonState
 from epochcache.cache.ledger_db import LedgerDatabase, delete_shards, incr, kv, set_kv, unit_hash
-from epochcache.cache.ledger_leases import Leases, live_leases, unleased_retiring
+from epochcache.cache.ledger_leases import Leases, end_ended_leases, live_leases, unleased_retiring
 from epochcache.cache.ledger_quarantine import QuarantineTable
 from epochcache.cache.ledger_records import Lease, Quarantined, ShardRecord, Stage, Usage, by_age, take_until
 from epochcache.cache.ledger_schema import DB_NAME, LEGACY_DB_NAME, OPEN_PATIENCE_S, Connect, connect
@@ -226,8 +226,11 @@ class Ledger:
         caller deletes their files), or None when the retiring shards free too little yet; then
         nothing is reserved and the caller waits. ``choose=lambda *_: []`` reserves only if the room
         is free and never retires anything. Cost: O(k log n) for k victims with an indexed chooser.
+        Leases that ended unreleased (their owner killed) are deleted first, as ``epochcache gc`` does.
         """
         with self.db.write() as con:
+            # A killed trainer's leases (no release) would be read by every later look at the leases.
+            end_ended_leases(con)
             shard_bytes = con.execute("SELECT sum(bytes) FROM totals").fetchone()[0]
             quarantined = con.execute("SELECT coalesce(sum(bytes), 0) FROM quarantine").fetchone()[0]
             reserved = int(kv(con, "reserved") or 0)

@@ -127,10 +127,7 @@ class Leases:
     def purge_expired(self) -> int:
         """Delete ended leases (owner dead, or TTL past for another host's) from the database; how many."""
         with self._db.write() as con:
-            live = {lease["id"] for lease in live_leases(con)}
-            ended = [lid for (lid,) in con.execute("SELECT id FROM leases") if lid not in live]
-            _end_leases(con, ended)
-        return len(ended)
+            return end_ended_leases(con)
 
     def live(self, with_shards: bool = True) -> list[dict[str, Any]]:
         """Live leases as ``{"id", "owner", "host", "pid", "shards", "expires", "taken"}`` dicts;
@@ -161,6 +158,15 @@ def live_leases(con: sqlite3.Connection) -> list[dict[str, Any]]:
             out.append({"id": lid, "owner": owner, "host": host, "pid": pid, "shards": count, "expires": expires,
                         "taken": taken, "upto": upto})
     return out
+
+
+def end_ended_leases(con: sqlite3.Connection) -> int:
+    """Delete the leases that ended without a release (owner dead, or TTL past for another host's)
+    and their excluded rows; how many."""
+    live = {lease["id"] for lease in live_leases(con)}
+    ended = [lid for (lid,) in con.execute("SELECT id FROM leases") if lid not in live]
+    _end_leases(con, ended)
+    return len(ended)
 
 
 def unleased_retiring(con: sqlite3.Connection) -> list[ShardRecord]:

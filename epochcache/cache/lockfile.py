@@ -2,6 +2,10 @@
 
 Whoever holds it (the sync daemon, or ``epochcache verify --fix`` / ``gc``) may change files under
 the cache dir besides publishing and quarantining; the kernel drops it when the holder dies.
+
+Invariant: only the process that took the lock holds it. An flock belongs to the open file, which a
+forked child shares; a child forked meanwhile (a loader's worker, with the daemon in a thread of the
+trainer) closes its copy at once, or it would keep the cache locked after the daemon stopped.
 """
 
 from __future__ import annotations
@@ -13,11 +17,24 @@ from contextlib import contextmanager
 
 from epochcache.errors import DaemonRunningError
 
+_held: set[int] = set()  # descriptors of the locks this process holds
+
+
+def _close_inherited() -> None:
+    """In a forked child: close the copies of the parent's lock descriptors (the parent keeps its locks)."""
+    for fd in _held:
+        os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited)
+
 
 @contextmanager
 def exclusive(lock_path: os.PathLike[str], purpose: str = "epochcache sync") -> Iterator[None]:
     """Hold the lock for the block; :class:`DaemonRunningError` naming the holder if it is taken."""
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    _held.add(fd)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -30,6 +47,7 @@ def exclusive(lock_path: os.PathLike[str], purpose: str = "epochcache sync") -> 
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
+        _held.discard(fd)
         os.close(fd)
 
 

@@ -1,4 +1,6 @@
-"""The daemon's heap during a run: objects that exist when it starts are left out of garbage collection.
+"""The heap of a process while a daemon runs in it, or while a loader's worker processes run (from
+their fork to the pool's close, :mod:`epochcache.train.workers`): the objects that exist when it starts
+are left out of garbage collection, and collected again once it ends.
 
 They live as long as the run (imports, config, or the heap of a trainer the daemon was forked from),
 and a full collection visits every one of them. Forked from a process that imported torch (~200,000
@@ -20,13 +22,20 @@ from contextlib import contextmanager
 @contextmanager
 def frozen_heap() -> Iterator[None]:
     """In the main thread (the daemon's own process: ``epochcache sync``, or a process forked to run
-    it), leave the objects alive now out of garbage collection until the block ends; then they are
-    collected as before (cyclic garbage among them waits until then), unless objects were frozen
-    before (a loader forking its workers): those stay frozen, and so do these. In another thread
-    (a daemon run inside a larger program), nothing changes: the heap is not the daemon's to freeze."""
+    it), :func:`frozen_objects` for the block. In another thread (a daemon run inside a larger
+    program), nothing changes: the heap is not the daemon's to freeze."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    with frozen_objects():
+        yield
+
+
+@contextmanager
+def frozen_objects() -> Iterator[None]:
+    """Leave the objects alive now out of garbage collection until the block ends; then they are
+    collected as before (cyclic garbage among them waits until then), unless objects were frozen
+    before (a loader's workers still running, a daemon's run): those stay frozen, and so do these."""
     frozen_before = gc.get_freeze_count() > 0
     gc.freeze()
     try:

@@ -65,9 +65,14 @@ class SkipBook:
 
     def retry(self, stream: Stream, pass_: int, read: Read) -> Iterator[tuple[Unit, pa.Table]]:
         """Yield the rows of ``stream``'s skipped units of this pass that read now; forget those whose
-        object is gone; a unit failing again stays recorded (``final``) and counted as unread, and
-        the pass moves on without it."""
+        object is gone, and the stream's records of earlier passes; a unit failing again stays
+        recorded (``final``) until the next pass ends, counted as unread, and the pass moves on without it."""
         for key, info in self.ledger.daemon.skipped().items():
+            if info.get("stream", "") == stream.name and info.get("pass", pass_) < pass_:
+                # No pass reads an earlier pass's record (this one read its unit, or recorded it anew):
+                # kept, they would grow with every unit a long run failed to read, read at each pass end.
+                note(self.ledger.daemon.drop_skipped, key)
+                continue
             if (info.get("pass") != pass_ or info.get("stream", "") != stream.name or info.get("final")
                     or self.stop.is_set()):
                 continue

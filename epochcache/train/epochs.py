@@ -132,7 +132,7 @@ class EpochBuilder:
     ):
         self._layout, self._ledger, self._peers, self._leases, self._maps = layout, ledger, peers, leases, maps
         self._owner, self._closed, self._clock, self._commits = owner, closed, clock, commits
-        self._present_ids: set[str] = set()  # shards whose file this loader found at its size
+        self._present_ids: set[str] = set()  # shards of the last lease whose file this loader found at its size
 
     def build(
         self, epoch: int, ahead: bool, resume: Progress | None, config: LoaderConfig, sources: SourceFactory,
@@ -241,6 +241,10 @@ class EpochBuilder:
     def _agreed_records(self, lease: Lease, resume: Progress | None) -> list[ShardRecord]:
         """The epoch's shards, sorted by id: the node's agreed set, or the resumed epoch's exact set."""
         usable = {r.id: r for r in lease.shards if self._present(r)}
+        # A shard the lease lacks is evicted or retiring, never in a later snapshot (a daemon restart
+        # may return a retiring one: stat'ed again then): forgotten, so the set is the cache's size,
+        # not that of every shard published over the loader's life.
+        self._present_ids.intersection_update(usable)
         common = self._peers.common_shards(list(usable))
         if resume is None:
             return [usable[i] for i in common]

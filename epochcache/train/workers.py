@@ -41,7 +41,6 @@ makes a new one for the next epoch.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import multiprocessing
 import os
@@ -49,12 +48,14 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Iterator
+from contextlib import ExitStack
 from typing import Any, cast
 
 import numpy as np
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+from epochcache.sync.memory import frozen_objects
 from epochcache.train.dataset import ShardSetDataset
 from epochcache.train.device import pin_batch
 from epochcache.train.held import Views
@@ -195,6 +196,7 @@ class WorkerPool:
         )
         self._iterator: _MultiProcessingDataLoaderIter | None = None
         self._transformed = transform is not None or sample_transform is not None
+        self._frozen = ExitStack()  # the heap, frozen from the workers' fork to close()
         self._tags = itertools.count()
         self._queued = 0  # items queued, which are the serial numbers so far
         self._taken = 0  # batches read back
@@ -246,9 +248,10 @@ class WorkerPool:
         if self._iterator is None:
             # The objects alive now are shared with the workers, page by page, until written. A full
             # collection writes to every object it visits (in any of the processes), so pages were
-            # copied, epoch after epoch; frozen objects are never visited. (The garbage among them is
-            # kept: it is what the workers inherit anyway.)
-            gc.freeze()
+            # copied, epoch after epoch; frozen objects are never visited. Frozen only while the
+            # workers run: the garbage among them (cycles only a collection frees) is kept until
+            # close(), not for the process's life, once more at each pool started.
+            self._frozen.enter_context(frozen_objects())
             self._iterator = self._iterate()
         return self._iterator
 
@@ -310,6 +313,7 @@ class WorkerPool:
             # Stopped now, not when the iterator is collected: a worker's error raised from it keeps
             # it alive (its frame, in the traceback the caller may hold), workers and all.
             iterator._shutdown_workers()
+        self._frozen.close()  # (the workers are gone: no page of the heap is shared any more)
         self._loader = None  # type: ignore[assignment]
         for datasets in self._datasets:
             datasets.cancel_join_thread()  # a worker gone may leave a dataset unread: never wait on it

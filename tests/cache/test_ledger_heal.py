@@ -221,6 +221,26 @@ def test_lease_of_a_killed_owner_ends_at_once(tmp_path: Path) -> None:
         ledger.close()
 
 
+def test_a_killed_owners_lease_is_deleted_when_room_is_next_made(tmp_path: Path) -> None:
+    """A trainer killed leaves its leases' rows (and their excluded rows): every later look at the
+    leases reads them (one /proc read each), and a crashed trainer a day adds some for good unless
+    each reservation (one per shard the daemon publishes) deletes the ended ones."""
+    ledger = Ledger(tmp_path / "ledger")
+    proc = _sleeper()
+    try:
+        started = wait_for(lambda: start_time(proc.pid), timeout=10)
+        ledger.leases.snapshot("killed trainer", ttl_s=600, holder=Owner(this_host(), proc.pid, started))
+        running = ledger.leases.snapshot("running trainer", ttl_s=600)
+        proc.kill()
+        proc.wait(10)
+        assert ledger.make_room(1, budget=10**9, choose=lambda *_: []) == []
+        assert [lease["id"] for lease in ledger.leases.live()] == [running.id]
+        assert ledger.leases.purge_expired() == 0, "the killed trainer's lease was left for `epochcache gc`"
+    finally:
+        proc.kill()
+        ledger.close()
+
+
 def test_lease_of_a_stopped_owner_outlives_its_ttl(tmp_path: Path) -> None:
     ledger = Ledger(tmp_path / "ledger")
     proc = _sleeper()

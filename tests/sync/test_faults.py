@@ -203,17 +203,17 @@ def test_transient_classification(exc: BaseException, transient: bool) -> None:
     assert is_transient(exc) is transient
 
 
-def test_a_unit_that_keeps_failing_is_skipped_then_retried_at_the_end_of_the_pass(
-    tmp_path: Path, make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def flaky(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, dict[str, int]]:
+    """A local remote whose unit ``part-002.parquet#3`` fails with a reset for the next ``failures["left"]``
+    reads (fault injection into the daemon's sources): ``(its key, failures)``; none fail until set."""
     root = tmp_path / "remote"
     write_parquet_dataset(fsspec.filesystem("file"), str(root), FILES, ROWS_PER_FILE, ROWS_PER_GROUP)
-    config = make_config(str(root), **ROOMY, **{"sampler.backoff_s": 0.001, "sampler.max_attempts": 3})
     flaky_key = f"{root}/part-002.parquet#3"
-    failures = {"left": 3}  # exactly max_attempts: the walk gives up on it, the end-of-pass retry reads it
+    failures = {"left": 0}
     open_source = daemon_module.open_source
 
-    def open_flaky(*args: Any) -> Any:  # fault injection: one unit's reads fail with a reset
+    def open_flaky(*args: Any) -> Any:
         source = open_source(*args)
         read = source.read
 
@@ -227,6 +227,15 @@ def test_a_unit_that_keeps_failing_is_skipped_then_retried_at_the_end_of_the_pas
         return source
 
     monkeypatch.setattr(daemon_module, "open_source", open_flaky)
+    return flaky_key, failures
+
+
+def test_a_unit_that_keeps_failing_is_skipped_then_retried_at_the_end_of_the_pass(
+    tmp_path: Path, make_config: Callable[..., Config], flaky: tuple[str, dict[str, int]]
+) -> None:
+    flaky_key, failures = flaky
+    config = make_config(str(tmp_path / "remote"), **ROOMY, **{"sampler.backoff_s": 0.001, "sampler.max_attempts": 3})
+    failures["left"] = 3  # exactly max_attempts: the walk gives up on it, the end-of-pass retry reads it
     log = UnitLog()
     report = log.daemon(config).run(once=True)
     ledger = Ledger(CacheLayout(Path(config.cache.dir)).ledger)
@@ -237,3 +246,21 @@ def test_a_unit_that_keeps_failing_is_skipped_then_retried_at_the_end_of_the_pas
     assert log.published.count(flaky_key) == 1 and log.published[-1] == flaky_key, "retried at the end"
     assert len(log.published) == len(set(log.published)) == FILES * GROUPS
     assert not skipped, "the record goes once the unit is published"
+
+
+def test_a_skip_record_goes_once_a_later_pass_has_read_its_unit(
+    tmp_path: Path, make_config: Callable[..., Config], flaky: tuple[str, dict[str, int]]
+) -> None:
+    """A record left final by its pass is never read by a later one: kept, the records would grow
+    with every unit a long run ever failed to read twice (an outage), each read at every pass end."""
+    flaky_key, failures = flaky
+    config = make_config(str(tmp_path / "remote"), **ROOMY, **{"sampler.backoff_s": 0.001, "sampler.max_attempts": 3})
+    ledger = Ledger(CacheLayout.create(config.cache.dir).ledger)
+    failures["left"] = 6  # the walk's 3 attempts, then the end-of-pass retry's 3: unread in pass 0
+    first = SyncDaemon(config, progress=False).run(once=True)
+    assert first.units_unread == 1 and ledger.daemon.skipped()[flaky_key]["final"]
+    log = UnitLog()
+    log.daemon(config).run(once=True)  # pass 1 reads it
+    assert log.published == [flaky_key]
+    assert ledger.daemon.skipped() == {}, "pass 0's record of a unit cached since was kept"
+    ledger.close()
