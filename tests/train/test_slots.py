@@ -101,15 +101,21 @@ def _to_float(batch: dict) -> dict:
     return {**batch, "image": batch["image"].float()}
 
 
+@pytest.fixture
+def messages(monkeypatch: pytest.MonkeyPatch) -> list[type]:
+    """The type of each message a trainer's slot ring receives: SlotBatch through a slot, else the pipe's."""
+    kinds: list[type] = []
+    receive = SlotRing.receive
+    monkeypatch.setattr(SlotRing, "receive", lambda ring, message, number: kinds.append(type(message))
+                        or receive(ring, message, number))
+    return kinds
+
+
 @pytest.mark.parametrize("transform", [None, _to_float], ids=["slots", "slots-learned-from-a-transform"])
 def test_worker_batches_equal_the_in_process_batches(
-    synced: Config, transform: Callable | None, monkeypatch: pytest.MonkeyPatch
+    synced: Config, transform: Callable | None, messages: list[type]
 ) -> None:
     expected = _epochs(synced, 2, num_workers=0, transform=transform)
-    messages: list[type] = []
-    receive = SlotRing.receive
-    monkeypatch.setattr(SlotRing, "receive", lambda ring, message, number: messages.append(type(message))
-                        or receive(ring, message, number))
     got = _epochs(synced, 2, num_workers=2, transform=transform)
     # the ring and the prefetch depth are sized so that no batch waits for a slot: none takes the pipe
     # (a third epoch queued in time had its first batch received too, ahead of the end of the second)
@@ -152,13 +158,9 @@ def _doubled(batch: dict) -> dict:
 
 
 def test_a_transform_that_makes_more_rows_than_a_batch_has_them_carried_by_the_slots(
-    synced: Config, monkeypatch: pytest.MonkeyPatch
+    synced: Config, messages: list[type]
 ) -> None:
     expected = _epochs(synced, 2, num_workers=0, transform=_doubled)
-    messages: list[type] = []
-    receive = SlotRing.receive
-    monkeypatch.setattr(SlotRing, "receive", lambda ring, message, number: messages.append(type(message))
-                        or receive(ring, message, number))
     got = _epochs(synced, 2, num_workers=2, transform=_doubled)
     assert len(got[0][0]["id"]) == 64 and set(messages[len(got[0]):]) == {SlotBatch}
     assert all(torch.equal(a[k], b[k]) for ge, ee in zip(got, expected) for a, b in zip(ge, ee) for k in a)
