@@ -117,7 +117,7 @@ class HeldShards:
         self._batches += 1
         self._last_used[shard_of] = self._batches
         closed = self._state[shard_of] == _CLOSED
-        if closed.any():  # (most batches: none; np.unique costs even on nothing)
+        if closed.any():  # (most batches: none; distinct costs even on nothing)
             missing = distinct(shard_of[closed])
             self._make_room(missing.size)
             for number in missing.tolist():
