@@ -59,6 +59,16 @@ def shared_memory() -> int:
     return os.memfd_create("epochcache-slots", os.MFD_CLOEXEC)
 
 
+def free_shared_memory(fd: int) -> None:
+    """Free a ring's memory (its file cut to nothing) and close ``fd``, once no process reads or
+    writes the ring again (its workers stopped, its batches copied out: a process touching it after
+    would get SIGBUS). Closing alone frees nothing while another process holds the file: the workers
+    of a pool forked while this one lived inherited it, and this process's own mapping holds a copy
+    of the descriptor until it is collected."""
+    os.ftruncate(fd, 0)
+    os.close(fd)
+
+
 class SlotRing:
     """``count`` slots, each holding ``batch_size`` rows of every column of ``layout`` (name -> dtype,
     item shape); ``first`` is the epoch's first batch number (a resumed epoch starts later).

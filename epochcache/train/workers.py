@@ -62,7 +62,7 @@ from epochcache.train.held import Views
 from epochcache.train.malloc import keep_large_allocations
 from epochcache.train.mappings import ShardMaps
 from epochcache.train.order import EpochBatches
-from epochcache.train.slots import Layout, SlotRing, layout_of, shared_memory
+from epochcache.train.slots import Layout, SlotRing, free_shared_memory, layout_of, shared_memory
 from epochcache.train.transform import BatchTransform, SampleTransform, TransformedDataset
 from epochcache.train.wire import from_wire, to_wire
 
@@ -181,8 +181,8 @@ class WorkerPool:
         # The DataLoader asks for at most prefetch batches per worker ahead of the batch being handed
         # out; two slots more leave room for the batch being copied out and a worker running ahead.
         self._slots = prefetch * workers + 2
-        self._memory = shared_memory()  # the ring's, sized by fit(); made now so the workers inherit it
-        # closed by close(), or when a pool replaced for another layout is collected
+        self._memory = shared_memory()  # the ring's, sized later; made now so the workers inherit it
+        # closed by close() (which frees it first), or when a pool replaced for another layout is collected
         self._release_memory = weakref.finalize(self, os.close, self._memory)
         self.layout: dict[str, Any] | None = None
         self._ring: SlotRing | None = None
@@ -318,7 +318,11 @@ class WorkerPool:
         for datasets in self._datasets:
             datasets.cancel_join_thread()  # a worker gone may leave a dataset unread: never wait on it
             datasets.close()
-        self._release_memory()  # (the ring's mappings keep its memory while a process holds one)
+        if self._release_memory.alive:  # (once: the descriptor's number may be another file's after)
+            # Its workers are stopped: no process reads or writes the ring again. (Collected instead, at
+            # exit say, a pool's workers may still be writing: its memory is only closed then.)
+            free_shared_memory(self._memory)
+            self._release_memory.detach()
 
 
 class PoolEpoch:

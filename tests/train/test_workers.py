@@ -165,3 +165,34 @@ def test_a_worker_killed_mid_epoch_is_raised_in_the_trainer(synced: Config) -> N
                         workers = sorted(set(process_tree(os.getpid())) - {os.getpid()})
                         assert len(workers) == 2
                         os.kill(workers[0], signal.SIGKILL)
+
+
+def _slot_memory(pid: int) -> dict[int, int]:
+    """The slot-ring memory files process ``pid`` holds open: inode -> bytes allocated."""
+    held = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if "epochcache-slots" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                info = os.stat(f"/proc/{pid}/fd/{fd}")
+                held[info.st_ino] = info.st_blocks * 512
+        except OSError:  # closed meanwhile
+            continue
+    return held
+
+
+def test_a_closed_pools_slot_memory_is_freed_though_another_pools_workers_inherited_it(synced: Config) -> None:
+    before = _slot_memory(os.getpid())  # (earlier pools' rings, still mapped until collected)
+    first = EpochCachedLoader(synced.cache.dir, batch_size=32, num_workers=2, transform=lambda b: b, progress=False)
+    assert len(list(first)) > 0
+    [(inode, allocated)] = [(i, size) for i, size in _slot_memory(os.getpid()).items() if i not in before]
+    firsts = set(process_tree(os.getpid()))
+    assert allocated > 0
+    with EpochCachedLoader(synced.cache.dir, batch_size=32, num_workers=2, transform=lambda b: b,
+                           progress=False) as second:  # its workers fork while the first pool's memory is open
+        assert len(list(second)) > 0
+        seconds = set(process_tree(os.getpid())) - firsts
+        assert len(seconds) == 2 and all(inode in _slot_memory(pid) for pid in seconds), "inherited by the fork"
+        first.close()
+        # (the trainer's mapping of the closed ring holds the file open too, until the loader is collected)
+        holders = [pid for pid in [os.getpid(), *seconds] if inode in _slot_memory(pid)]
+        assert holders and all(_slot_memory(pid)[inode] == 0 for pid in holders), "freed though held open"
