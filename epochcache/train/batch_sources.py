@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 from epochcache.train.dataset import ShardSetDataset
 from epochcache.train.device import pin_batch
+from epochcache.train.exiting import DaemonThreadPool
 from epochcache.train.jobs import then
 from epochcache.train.order import EpochBatches
 from epochcache.train.prefetch import BatchThread
@@ -47,8 +47,9 @@ class BatchSources:
         self.workers = workers
         self._prefetch, self._batch_size, self._pin = prefetch, batch_size, pin
         self._transform, self._sample_transform = transform, sample_transform
-        # the batch threads of the current epoch and of the next one, prepared ahead
-        self._build_pool = ThreadPoolExecutor(2, thread_name_prefix="epochcache-batches")
+        # the batch threads of the current epoch and of the next one, prepared ahead (daemon threads:
+        # one waiting for a consumer that is gone never holds up the exit, see epochcache.train.exiting)
+        self._build_pool = DaemonThreadPool(2, "epochcache-batches")
         # the worker processes, kept across epochs (made by the preparing thread, forked by the main one)
         self._pool: WorkerPool | None = None
         self._pool_lock = threading.Lock()

@@ -45,6 +45,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -65,6 +66,7 @@ from epochcache.train.commits import CommitMarks
 from epochcache.train.device import pinning_available, to_device
 from epochcache.train.distributed import Peers
 from epochcache.train.epochs import EpochBuilder, EpochInfo, PreparedEpoch
+from epochcache.train.exiting import interpreter_exiting
 from epochcache.train.leases import HeldLeases
 from epochcache.train.malloc import keep_large_allocations
 from epochcache.train.mappings import ShardMaps
@@ -132,6 +134,7 @@ class EpochCachedLoader:
         # shard mappings the batch thread reuses from epoch to epoch, at most max_open_shards of them
         self._maps: ShardMaps[Any] = ShardMaps(self.config.max_open_shards)
         self._closed = threading.Event()
+        self._iterators: weakref.WeakSet[Generator[Any, None, None]] = weakref.WeakSet()  # epochs handed out
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-prepare")
         self._cleanup_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-cleanup")
         ahead = self.config.prefetch_batches * max(self._sources.workers, 1)
@@ -162,6 +165,11 @@ class EpochCachedLoader:
         return self._last
 
     def __iter__(self) -> Iterator[Any]:
+        epoch = self._epoch_batches()
+        self._iterators.add(epoch)  # closed by close() if still open then
+        return epoch
+
+    def _epoch_batches(self) -> Generator[Any, None, None]:
         started = time.monotonic()
         self._sources.start_workers()
         self._wait_for_samples()
@@ -183,7 +191,8 @@ class EpochCachedLoader:
                     try:
                         yield batch
                     finally:  # (also when the first batch is the last one taken)
-                        recorded = self._after_first_batch_out(current, first)
+                        if not interpreter_exiting():
+                            recorded = self._after_first_batch_out(current, first)
                 else:
                     yield batch
                 if self._next is None and self._clock.due(number):
@@ -194,17 +203,25 @@ class EpochCachedLoader:
             self._prepare_ahead(epoch + 1)
             completed = True
         finally:
-            stream.close()
-            batches.close()
-            if recorded is not None:  # done long since: last_epoch then has its coverage, the lease its record
-                recorded.result()
-            if completed:
-                # Off the path to the next epoch's first batch: stopping the batch thread and
-                # releasing the lease (a ledger write) wait until the trainer is back from that batch.
-                self._retire_previous()
-                self._retiring = current
-            else:
-                self._finish(current)
+            # Collected as Python finalizes (the loader left open): the batch threads are stopped for
+            # good, so nothing is waited for; the lease lapses (see epochcache.train.exiting).
+            if not interpreter_exiting():
+                self._end_epoch(current, stream, batches, recorded, completed)
+
+    def _end_epoch(self, current: PreparedEpoch, stream: Generator[Any, None, None],
+                   batches: Generator[Any, None, None], recorded: Future[None] | None, completed: bool) -> None:
+        """Close an epoch's batches as its iterator ends (``completed``: every batch was handed out)."""
+        stream.close()
+        batches.close()
+        if recorded is not None:  # done long since: last_epoch then has its coverage, the lease its record
+            recorded.result()
+        if completed:
+            # Off the path to the next epoch's first batch: stopping the batch thread and
+            # releasing the lease (a ledger write) wait until the trainer is back from that batch.
+            self._retire_previous()
+            self._retiring = current
+        else:
+            self._finish(current)
 
     def _after_first_batch_out(self, current: PreparedEpoch, info: EpochInfo) -> Future[None]:
         """Once the trainer comes back from an epoch's first batch: one task for the cleanup thread (to
@@ -271,6 +288,8 @@ class EpochCachedLoader:
         """Release every lease, drop a prepared epoch and stop the background threads."""
         if self._closed.is_set():
             return
+        for epoch in list(self._iterators):  # an epoch still iterated: its batch thread stops first
+            epoch.close()
         self._closed.set()
         self._drop_prepared()
         self._retire_previous()
@@ -335,12 +354,20 @@ class EpochCachedLoader:
         if self._next is None and not self._closed.is_set():
             self._next = (epoch, self._prepare_pool.submit(self._prepare, epoch, True, None))
             # (the cleanup thread's commits may land while it is prepared: check it again after them)
-            self._next[1].add_done_callback(lambda _: self._cleanup_pool.submit(self._recheck))
+            self._next[1].add_done_callback(self._recheck_later)
             if self._sources.workers:  # (a batch thread starts itself)
                 self._unstarted = self._next[1]
 
     def _prepare(self, epoch: int, ahead: bool, resume: Progress | None) -> PreparedEpoch:
         return self._builder.build(epoch, ahead, resume, self.config, self._sources.for_epoch)
+
+    def _recheck_later(self, _: Future[PreparedEpoch]) -> None:
+        """Once the next epoch is prepared: :meth:`_recheck` it on the cleanup thread, unless that
+        pool takes no more work (the loader closed, or Python exiting: no epoch starts any more)."""
+        try:
+            self._cleanup_pool.submit(self._recheck)
+        except RuntimeError:  # submit's refusal once shut down: there is nothing to recheck for
+            return
 
     def _recheck(self) -> None:
         """On the cleanup thread, after this loader's own commits and once the next epoch is prepared

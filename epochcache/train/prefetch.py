@@ -41,6 +41,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Executor
 from typing import Any, Union
 
+from epochcache.train.exiting import interpreter_exiting
 from epochcache.train.jobs import Fence, Job, Planned
 
 # A fence's wait list of jobs others claimed is pruned of the built ones beyond this many.
@@ -141,6 +142,8 @@ class BatchThread:
         """Stop planning and building and wait for the thread; batches not yet taken are dropped."""
         self._stop.set()
         self._credits.put(None)  # wakes the thread if it waits for a place: it then sees the stop
+        if interpreter_exiting():  # collected as Python finalizes: the (daemon) thread runs no more
+            return
         self._task.result()
         self._ahead.clear()
         self._jobs = None

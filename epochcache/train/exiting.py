@@ -1,0 +1,86 @@
+"""Interpreter exit with a loader left open, and the threads that must not hold it up.
+
+A training script may end without closing its loader: after ``break``, an exception, or simply at
+the end of a loop whose next epoch the loader had already prepared. Python joins every
+``ThreadPoolExecutor`` thread before it exits, so a batch thread waiting for a place that only the
+consumer (gone) frees would hold the process forever. The batch threads therefore come from
+:class:`DaemonThreadPool`, whose threads Python does not wait for; the loader's other threads run
+tasks that end by themselves (preparing an epoch, retiring one) and are joined as usual, so a
+ledger write under way finishes. Invariant: an unclosed loader never keeps the process from
+exiting, and no work is handed to a thread pool once the interpreter is finalizing (the pools take
+none; the leases of the exited process lapse, see :mod:`epochcache.cache.ledger_leases`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+_Task = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+def interpreter_exiting() -> bool:
+    """True once the main thread has finished and its threads were joined (Python is finalizing:
+    an unclosed loader's generators are being collected)."""
+    return not threading.main_thread().is_alive()
+
+
+class DaemonThreadPool(Executor):
+    """``count`` daemon threads, started on first use and kept until :meth:`shutdown`, running the
+    tasks submitted in order; at interpreter exit they are left where they are, never joined."""
+
+    def __init__(self, count: int, name: str) -> None:
+        self._count, self._name = count, name
+        self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._shut = False
+
+    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
+        with self._lock:
+            if self._shut:
+                raise RuntimeError(f"{self._name}: cannot run a task after shutdown")
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._work, name=f"{self._name}_{i}", daemon=True)
+                                 for i in range(self._count)]
+                for thread in self._threads:
+                    thread.start()
+            future: Future[_T] = Future()
+            self._tasks.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop the threads once the tasks submitted are done (``cancel_futures``: those not started
+        are cancelled); ``wait``: return once they have stopped."""
+        with self._lock:
+            if self._shut:
+                return
+            self._shut = True
+            if cancel_futures:
+                while True:
+                    try:
+                        task = self._tasks.get_nowait()
+                    except queue.Empty:
+                        break
+                    if task is not None:
+                        task[0].cancel()
+            for _ in self._threads:
+                self._tasks.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
+
+    def _work(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            future, fn, args, kwargs = task
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - not swallowed: raised by the future's result()
+                future.set_exception(exc)
+            del task, future, fn, args, kwargs  # nothing of a finished task is kept while waiting for the next

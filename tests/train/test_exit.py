@@ -1,0 +1,62 @@
+"""A loader left open never holds up the process's exit, and close() stops an epoch still iterated.
+
+Before: with the batch thread (no workers), a script that ended after a whole epoch, a ``break`` or
+with an epoch's iterator kept hung at exit (Python joined the batch thread, which waited for the
+consumer), and ``close()`` with an epoch's iterator unfinished hung the same way."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import fsspec
+import pytest
+from conftest import write_parquet_dataset
+
+from epochcache import EpochCachedLoader, Ledger, SyncDaemon, load_config
+from epochcache.cache.layout import CacheLayout
+
+SCRIPT = str(Path(__file__).parents[1] / "unclosed_proc.py")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A cache of 768 rows in 6 files (the shape test_loader.py uses), built once for the module."""
+    root = tmp_path_factory.mktemp("exit")
+    write_parquet_dataset(fsspec.filesystem("file"), str(root / "remote"), files=6, rows_per_file=128,
+                          rows_per_group=32)
+    config = load_config(None, {"source.url": str(root / "remote"), "cache.dir": str(root / "cache"),
+                                "cache.max_bytes": "20MB", "cache.shard_bytes": "64KiB"})
+    SyncDaemon(config, progress=False).run(once=True)
+    return str(root / "cache")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("mode", ["epoch", "break", "iter"])
+def test_a_script_that_leaves_its_loader_open_exits(cache_dir: str, workers: int, mode: str) -> None:
+    done = subprocess.run([sys.executable, SCRIPT, cache_dir, str(workers), mode], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "done"
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_close_stops_an_epoch_still_iterated_and_releases_its_lease(cache_dir: str, workers: int) -> None:
+    loader = EpochCachedLoader(cache_dir, batch_size=16, num_workers=workers, prefetch_batches=2, progress=False)
+    epoch = iter(loader)
+    next(epoch)
+    closing = threading.Thread(target=loader.close)  # (a thread: a hang fails the test, not the run)
+    closing.start()
+    closing.join(timeout=120)
+    assert not closing.is_alive(), "close() hung with an epoch's iterator unfinished"
+    with pytest.raises(StopIteration):
+        next(epoch)
+    ledger = Ledger(CacheLayout(Path(cache_dir)).ledger)
+    try:
+        assert ledger.leases.live() == []
+    finally:
+        ledger.close()
+
