@@ -165,6 +165,9 @@ class EpochCachedLoader:
         return self._last
 
     def __iter__(self) -> Iterator[Any]:
+        if self._closed.is_set():
+            raise LoaderError("this EpochCachedLoader is closed (its leases are released and its ledger connection "
+                              "closed): make a new one to train on")
         epoch = self._epoch_batches()
         self._iterators.add(epoch)  # closed by close() if still open then
         return epoch

@@ -1,4 +1,5 @@
-"""A loader left open never holds up the process's exit, and close() stops an epoch still iterated.
+"""A loader left open never holds up the process's exit; close() stops an epoch still iterated, and a
+closed loader says so when iterated again.
 
 Before: with the batch thread (no workers), a script that ended after a whole epoch, a ``break`` or
 with an epoch's iterator kept hung at exit (Python joined the batch thread, which waited for the
@@ -17,6 +18,7 @@ from conftest import write_parquet_dataset
 
 from epochcache import EpochCachedLoader, Ledger, SyncDaemon, load_config
 from epochcache.cache.layout import CacheLayout
+from epochcache.errors import LoaderError
 
 SCRIPT = str(Path(__file__).parents[1] / "unclosed_proc.py")
 
@@ -54,6 +56,8 @@ def test_close_stops_an_epoch_still_iterated_and_releases_its_lease(cache_dir: s
     assert not closing.is_alive(), "close() hung with an epoch's iterator unfinished"
     with pytest.raises(StopIteration):
         next(epoch)
+    with pytest.raises(LoaderError, match="closed.*make a new one"):
+        iter(loader)
     ledger = Ledger(CacheLayout(Path(cache_dir)).ledger)
     try:
         assert ledger.leases.live() == []
