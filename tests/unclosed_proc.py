@@ -3,18 +3,31 @@
 ``python unclosed_proc.py CACHE_DIR WORKERS MODE``: ``epoch`` iterates one whole epoch (the loader
 then prepares the next, and its batch thread fills the places ahead), ``break`` leaves an epoch
 after a few batches, ``iter`` keeps an epoch's iterator after its first batch; then prints ``done``
-and returns without ``close()``.
+and returns without ``close()``. ``hold``: with a transform whose batches go through the workers'
+pipe (numpy arrays, 256 KiB each: the pipe fills), prints the worker processes' pids as JSON after
+the first batch and waits on stdin (the test kills it).
 """
 
 from __future__ import annotations
 
+import json
+import multiprocessing
 import sys
+from typing import Any
+
+import numpy as np
 
 from epochcache import EpochCachedLoader
 
 
+def _through_the_pipe(batch: dict[str, Any]) -> dict[str, Any]:
+    return {"blob": np.zeros((16, 16384), np.uint8)}
+
+
 def main(cache_dir: str, workers: int, mode: str) -> None:
-    loader = EpochCachedLoader(cache_dir, batch_size=16, num_workers=workers, prefetch_batches=2, progress=False)
+    transform = _through_the_pipe if mode == "hold" else None
+    loader = EpochCachedLoader(cache_dir, batch_size=16, num_workers=workers, prefetch_batches=2, progress=False,
+                               transform=transform)
     if mode == "epoch":
         for _ in loader:
             pass
@@ -26,6 +39,9 @@ def main(cache_dir: str, workers: int, mode: str) -> None:
         epoch = iter(loader)
         next(epoch)
         main.epoch = epoch  # type: ignore[attr-defined]  # held until the interpreter exits
+        if mode == "hold":
+            print(json.dumps([child.pid for child in multiprocessing.active_children()]), flush=True)
+            sys.stdin.read()
     print("done", flush=True)
 
 

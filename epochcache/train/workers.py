@@ -41,6 +41,7 @@ makes a new one for the next epoch.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import multiprocessing
 import os
@@ -62,6 +63,7 @@ from epochcache.train.held import Views
 from epochcache.train.malloc import keep_large_allocations
 from epochcache.train.mappings import ShardMaps
 from epochcache.train.order import EpochBatches
+from epochcache.train.orphans import end_with_parent
 from epochcache.train.slots import Layout, SlotRing, free_shared_memory, layout_of, shared_memory
 from epochcache.train.transform import BatchTransform, SampleTransform, TransformedDataset
 from epochcache.train.wire import from_wire, to_wire
@@ -192,7 +194,7 @@ class WorkerPool:
             _WorkerData(self._datasets, transform, sample_transform),  # type: ignore[arg-type]
             batch_sampler=self._feed, num_workers=workers, collate_fn=to_wire,  # type: ignore[arg-type]
             prefetch_factor=prefetch, persistent_workers=True, multiprocessing_context="fork",
-            worker_init_fn=_keep_large_allocations,
+            worker_init_fn=functools.partial(_start_worker, os.getpid()),
         )
         self._iterator: _MultiProcessingDataLoaderIter | None = None
         self._transformed = transform is not None or sample_transform is not None
@@ -351,12 +353,15 @@ class PoolEpoch:
             self.pool.close()
 
 
-def _keep_large_allocations(_worker_id: int) -> None:
-    """In each worker as it starts (:func:`epochcache.train.malloc.keep_large_allocations`).
+def _start_worker(trainer: int, _worker_id: int) -> None:
+    """In each worker as it starts: it ends with ``trainer``, the process that forked it
+    (:func:`epochcache.train.orphans.end_with_parent`), and keeps its large allocations
+    (:func:`epochcache.train.malloc.keep_large_allocations`).
 
     A worker allocates a few batch-sized buffers per batch (the transform's output, the pickled message
     of what misses the slots). Workers forked from a trainer that had already freed large buffers
     inherit glibc's raised thresholds, workers forked early (see WorkerPool.start) do not: measured
     171k page faults per worker against 5k, and twice the CPU per sample (benchmarks/peers.py, 2
     workers, bytes + transform). Fixed thresholds make every worker reuse its heap, whenever it forked."""
+    end_with_parent(trainer)
     keep_large_allocations()

@@ -7,6 +7,9 @@ consumer), and ``close()`` with an epoch's iterator unfinished hung the same way
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -14,11 +17,12 @@ from pathlib import Path
 
 import fsspec
 import pytest
-from conftest import write_parquet_dataset
+from conftest import wait_for, write_parquet_dataset
 
 from epochcache import EpochCachedLoader, Ledger, SyncDaemon, load_config
 from epochcache.cache.layout import CacheLayout
 from epochcache.errors import LoaderError
+from epochcache.train.orphans import end_with_parent
 
 SCRIPT = str(Path(__file__).parents[1] / "unclosed_proc.py")
 
@@ -64,3 +68,34 @@ def test_close_stops_an_epoch_still_iterated_and_releases_its_lease(cache_dir: s
     finally:
         ledger.close()
 
+
+
+def test_the_workers_of_a_killed_trainer_end_with_it(cache_dir: str) -> None:
+    """Before: both workers stayed, orphaned, blocked for good (one writing to the pipe whose read end
+    the other had inherited), holding their shard mappings and the slots' shared memory."""
+    trainer = subprocess.Popen([sys.executable, SCRIPT, cache_dir, "2", "hold"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        workers = json.loads(trainer.stdout.readline())  # type: ignore[union-attr]
+        assert len(workers) == 2
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    assert wait_for(lambda: all(gone(pid) for pid in workers), timeout=30)
+
+
+def test_a_worker_whose_trainer_died_before_it_asked_is_killed_at_once() -> None:
+    child = os.fork()
+    if child == 0:  # (the child only asks and exits: nothing of the test's threads is touched)
+        end_with_parent(-1)  # not its parent's pid: as if the trainer had died before the request
+        os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
