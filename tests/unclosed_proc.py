@@ -1,4 +1,4 @@
-"""A training script that never closes its loader, for tests/train/test_exit.py.
+"""A training script that never closes its loader, for tests/train/test_loader_exit.py.
 
 ``python unclosed_proc.py CACHE_DIR WORKERS MODE``: ``epoch`` iterates one whole epoch (the loader
 then prepares the next, and its batch thread fills the places ahead), ``break`` leaves an epoch

@@ -36,7 +36,6 @@ import logging
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from types import FrameType
 from typing import Any
@@ -69,6 +68,7 @@ from epochcache.sync.vitals import Vitals, settings_of
 from epochcache.sync.walk import Walk
 from epochcache.sync.window import FetchWindow
 from epochcache.sync.writer import ShardWriter
+from epochcache.threads import DaemonThreadPool
 
 __all__ = ["StopReason", "SyncDaemon", "SyncReport"]
 
@@ -169,8 +169,10 @@ class _Run:
         position = resume_position(self.cfg, self.ledger, self.streams)
         self.units_done = _units_done(self.ledger.daemon.cursor(), position)
         publisher = Publisher(self.daemon.layout, self.ledger, self.cfg.cache, self.stop, evict=not self.once)
-        with _joined(ThreadPoolExecutor(self.cfg.sampler.concurrency, thread_name_prefix="fetch")) as pool, \
-                _joined(ThreadPoolExecutor(1, thread_name_prefix="publish")) as writer:
+        # Daemon threads (epochcache.threads): a daemon run in a thread of a program that ends must not
+        # hold the exit up, waiting for room that only training makes.
+        with _joined(DaemonThreadPool(self.cfg.sampler.concurrency, "fetch")) as pool, \
+                _joined(DaemonThreadPool(1, "publish")) as writer:
             self.writer = ShardWriter(writer, publisher, self.claims, self.report, self.bar, self.daemon.on_publish,
                                       self.stop)
             walk = Walk(self.cfg, self.ledger, self.streams, pool, self.retrier, self.claims, self.skips,
@@ -296,7 +298,7 @@ class _Run:
 
 
 @contextmanager
-def _joined(pool: ThreadPoolExecutor) -> Iterator[ThreadPoolExecutor]:
+def _joined(pool: DaemonThreadPool) -> Iterator[DaemonThreadPool]:
     """``pool``, shut down on the way out with its queued work cancelled and every thread joined:
     no read runs after ``run`` returns (a thread of ours, or a pyarrow/fsspec call it made, still
     running at interpreter exit aborts the process: exit 134)."""

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from typing import overload
 
 from epochcache.cache.ledger import Ledger
@@ -47,7 +47,7 @@ Item = tuple[Stream | None, Unit | None, MixCursor]
 class Walk:
     """Walks ``streams`` from a position; see the module docstring."""
 
-    def __init__(self, config: Config, ledger: Ledger, streams: Sequence[Stream], pool: ThreadPoolExecutor,
+    def __init__(self, config: Config, ledger: Ledger, streams: Sequence[Stream], pool: Executor,
                  retrier: Retrier, claims: Claims, skips: SkipBook, vitals: Vitals, stop: threading.Event,
                  once: bool) -> None:
         self.config, self.ledger, self.streams, self.pool, self.vitals = config, ledger, streams, pool, vitals

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 
 import pyarrow as pa
 
@@ -37,7 +37,7 @@ class FetchWindow:
     of order still holds its slot: the daemon's memory holds at most ``concurrency`` units' tables
     (plus the shard being built), however slow the head of the window is."""
 
-    def __init__(self, pool: ThreadPoolExecutor, retrier: Retrier, claims: Claims, skips: SkipBook,
+    def __init__(self, pool: Executor, retrier: Retrier, claims: Claims, skips: SkipBook,
                  intake: Intake, concurrency: int, first_shard: Callable[[], bool], stop: threading.Event) -> None:
         self.pool, self.retrier, self.claims, self.skips, self.intake = pool, retrier, claims, skips, intake
         self.full, self.first_shard, self.stop = concurrency, first_shard, stop

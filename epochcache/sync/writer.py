@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import pyarrow as pa
@@ -31,7 +31,7 @@ WRITES_QUEUED = 1
 class ShardWriter:
     """Hands shards to one writer thread (``executor``) and accounts for them as they finish."""
 
-    def __init__(self, executor: ThreadPoolExecutor, publisher: Publisher, claims: Claims, report: SyncReport,
+    def __init__(self, executor: Executor, publisher: Publisher, claims: Claims, report: SyncReport,
                  bar: tqdm, on_publish: Callable[[ShardRecord], None] | None, stop: threading.Event) -> None:
         self.executor, self.publisher, self.claims, self.report = executor, publisher, claims, report
         self.bar, self.on_publish, self.stop = bar, on_publish, stop

@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 import threading
 
+from epochcache.threads import DaemonThreadPool
 from epochcache.train.dataset import ShardSetDataset
 from epochcache.train.device import pin_batch
-from epochcache.train.exiting import DaemonThreadPool
 from epochcache.train.jobs import then
 from epochcache.train.order import EpochBatches
 from epochcache.train.prefetch import BatchThread
@@ -48,7 +48,7 @@ class BatchSources:
         self._prefetch, self._batch_size, self._pin = prefetch, batch_size, pin
         self._transform, self._sample_transform = transform, sample_transform
         # the batch threads of the current epoch and of the next one, prepared ahead (daemon threads:
-        # one waiting for a consumer that is gone never holds up the exit, see epochcache.train.exiting)
+        # one waiting for a consumer that is gone never holds up the exit, see epochcache.threads)
         self._build_pool = DaemonThreadPool(2, "epochcache-batches")
         # the worker processes, kept across epochs (made by the preparing thread, forked by the main one)
         self._pool: WorkerPool | None = None

@@ -61,12 +61,12 @@ from epochcache.cache.ledger import Ledger
 from epochcache.cache.verifier import BackgroundVerifier
 from epochcache.config import LoaderConfig, format_validation_error, load_config
 from epochcache.errors import ConfigError, LedgerFullError, LoaderError
+from epochcache.threads import interpreter_exiting
 from epochcache.train.batch_sources import BatchSources, choose_workers
 from epochcache.train.commits import CommitMarks
 from epochcache.train.device import pinning_available, to_device
 from epochcache.train.distributed import Peers
 from epochcache.train.epochs import EpochBuilder, EpochInfo, PreparedEpoch
-from epochcache.train.exiting import interpreter_exiting
 from epochcache.train.leases import HeldLeases
 from epochcache.train.malloc import keep_large_allocations
 from epochcache.train.mappings import ShardMaps
@@ -207,7 +207,7 @@ class EpochCachedLoader:
             completed = True
         finally:
             # Collected as Python finalizes (the loader left open): the batch threads are stopped for
-            # good, so nothing is waited for; the lease lapses (see epochcache.train.exiting).
+            # good, so nothing is waited for; the lease lapses (see epochcache.threads).
             if not interpreter_exiting():
                 self._end_epoch(current, stream, batches, recorded, completed)
 

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Executor
 from typing import Any, Union
 
-from epochcache.train.exiting import interpreter_exiting
+from epochcache.threads import interpreter_exiting
 from epochcache.train.jobs import Fence, Job, Planned
 
 # A fence's wait list of jobs others claimed is pruned of the built ones beyond this many.

@@ -1,14 +1,16 @@
-"""Interpreter exit with a loader left open, and the threads that must not hold it up.
+"""Thread pools that never hold up the process's exit, and the exit as threads see it.
 
-A training script may end without closing its loader: after ``break``, an exception, or simply at
-the end of a loop whose next epoch the loader had already prepared. Python joins every
-``ThreadPoolExecutor`` thread before it exits, so a batch thread waiting for a place that only the
-consumer (gone) frees would hold the process forever. The batch threads therefore come from
-:class:`DaemonThreadPool`, whose threads Python does not wait for; the loader's other threads run
-tasks that end by themselves (preparing an epoch, retiring one) and are joined as usual, so a
-ledger write under way finishes. Invariant: an unclosed loader never keeps the process from
-exiting, and no work is handed to a thread pool once the interpreter is finalizing (the pools take
-none; the leases of the exited process lapse, see :mod:`epochcache.cache.ledger_leases`).
+Python joins every ``ThreadPoolExecutor`` thread before it exits. Two of ours may wait on something
+that only the rest of the program ends: the loader's batch thread waits for a place that only the
+consumer frees (a script may end without closing its loader: after ``break``, an exception, or at
+the end of a loop whose next epoch the loader had already prepared), and the daemon's publishing
+thread waits for room that only training makes (a daemon run in a thread of a program that ends).
+Either held the process forever. They come from :class:`DaemonThreadPool`, whose threads Python
+does not wait for. Invariant: an unclosed loader or an unstopped in-process daemon never keeps the
+process from exiting, and nothing is waited for or handed to a pool once Python finalizes
+(:func:`interpreter_exiting`). What a thread was doing then ends as in a crash, which both sides
+survive: a shard not published is never seen, and the leases of an exited process lapse
+(:mod:`epochcache.cache.ledger_leases`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ _Task = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 def interpreter_exiting() -> bool:
     """True once the main thread has finished and its threads were joined (Python is finalizing:
-    an unclosed loader's generators are being collected)."""
+    what is left, an unclosed loader's epoch generators say, is being collected)."""
     return not threading.main_thread().is_alive()
 
 

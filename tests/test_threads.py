@@ -1,4 +1,4 @@
-"""DaemonThreadPool: an Executor whose threads never hold up the exit (see epochcache.train.exiting)."""
+"""DaemonThreadPool: an Executor whose threads never hold up the exit (see epochcache.threads)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from epochcache.train.exiting import DaemonThreadPool, interpreter_exiting
+from epochcache.threads import DaemonThreadPool, interpreter_exiting
 
 
 def test_tasks_run_on_daemon_threads_started_on_first_use_and_results_and_errors_reach_the_future() -> None:
