@@ -4,7 +4,8 @@ Flow: ``load_config(path, overrides, env)`` merges, lowest precedence first, the
 the YAML file, ``EPOCHCACHE_SECTION__KEY`` environment variables (a double underscore between section
 and key; other ``EPOCHCACHE_*`` names are ignored) and ``section.key=value`` overrides
 (CLI flags), then validates the result into a frozen :class:`Config`. Every section rejects unknown
-keys. Sizes accept integers or strings such as ``"64MB"`` (10**6) and ``"64MiB"`` (2**20).
+keys; the YAML file, a key written twice; a URL, a scheme fsspec does not know. Sizes accept
+integers or strings such as ``"64MB"`` (10**6) and ``"64MiB"`` (2**20).
 Relative local paths (``cache.dir``, a scheme-less ``source.url``) are resolved against the directory
 of the YAML file, so a config means the same thing from any working directory.
 
@@ -20,7 +21,7 @@ import difflib
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -443,6 +444,25 @@ def _valid_keys_hint(loc: tuple[int | str, ...]) -> str:
     return "valid keys here: " + ", ".join(sorted(model.model_fields))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping: YAML forbids it, and PyYAML
+    would keep the last silently (a second ``cache:`` section would drop every key of the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # the base class refuses it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is written twice in one section: keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
@@ -452,7 +472,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {exc.start}): "
                           "give the YAML config file, saved as UTF-8") from exc
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: builds no Python objects
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" line {where.line + 1}" if where is not None else ""

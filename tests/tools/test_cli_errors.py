@@ -40,9 +40,9 @@ def test_unknown_url_scheme_is_refused_at_load_with_a_guess(tmp_path: Path, caps
 
 @pytest.mark.parametrize("command", [["verify"], ["verify", "--fix"], ["gc"]])
 @pytest.mark.parametrize(("make", "state"), [
-    (lambda path: None, "does not exist"),
-    (lambda path: path.write_text("x"), "is a file, not a folder"),
-    (lambda path: path.mkdir(), "holds no epochcache cache"),
+    pytest.param(lambda path: None, "does not exist", id="missing"),
+    pytest.param(lambda path: path.write_text("x"), "is a file, not a folder", id="file"),
+    pytest.param(lambda path: path.mkdir(), "holds no epochcache cache", id="empty"),
 ])
 def test_a_cache_dir_without_a_cache_is_refused_and_left_as_it_was(
     tmp_path: Path, capsys, command: list[str], make, state: str
@@ -90,6 +90,14 @@ def test_bad_values_name_the_value_and_the_fix(tmp_path: Path, capsys, override:
     assert main(["status", "-c", str(_config(tmp_path)), "--set", override]) == 2
     line = _error(capsys)
     assert shown in line and "***" not in line, line
+
+
+def test_a_key_written_twice_is_refused_with_its_line(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("source:\n  url: remote\ncache:\n  dir: cache\n  max_bytes: 5MB\ncache:\n  shard_bytes: 100KB\n")
+    assert main(["status", "-c", str(path)]) == 2
+    line = _error(capsys)
+    assert f"{path}: line 6 is not valid YAML: key 'cache' is written twice in one section: keep one" in line, line
 
 
 def test_a_config_that_is_not_text_is_one_line(tmp_path: Path, capsys) -> None:
