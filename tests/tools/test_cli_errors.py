@@ -92,6 +92,15 @@ def test_bad_values_name_the_value_and_the_fix(tmp_path: Path, capsys, override:
     assert shown in line and "***" not in line, line
 
 
+def test_without_config_yaml_here_the_error_says_to_pass_config(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["status"]) == 2
+    assert f"no config.yaml in the current folder ({tmp_path}): give the config file with --config PATH" in _error(
+        capsys)
+
+
 def test_a_key_written_twice_is_refused_with_its_line(tmp_path: Path, capsys) -> None:
     path = tmp_path / "config.yaml"
     path.write_text("source:\n  url: remote\ncache:\n  dir: cache\n  max_bytes: 5MB\ncache:\n  shard_bytes: 100KB\n")
