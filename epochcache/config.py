@@ -366,13 +366,17 @@ def load_config(
         for loc, text in _error_parts(exc):
             if shorthand:
                 loc, text = _SHORTHAND.sub("source", loc, count=1), _SHORTHAND.sub("source", text)
-            parts.append(f"{_origin_of(loc, origins, file_origin)}: {text}")
+            parts.append(f"{_origin_of(loc, text, origins, file_origin)}: {text}")
         raise ConfigError(redact_text("; ".join(parts))) from None
 
 
-def _origin_of(loc: str, origins: Mapping[str, str], file_origin: str) -> str:
+def _origin_of(loc: str, text: str, origins: Mapping[str, str], file_origin: str) -> str:
     """Where the value at ``loc`` came from: the flag or env var that set it (or, for a section-level
-    error, the last one that set a key of the section), else the YAML file."""
+    error, the last one that set a key of the section; for a top-level one, the last that set a key
+    its ``text`` names), else the YAML file."""
+    if loc == "(top level)":
+        named = [origin for dotted, origin in origins.items() if dotted in text]
+        return named[-1] if named else file_origin
     for dotted in sorted(origins, key=len, reverse=True):
         if loc == dotted or loc.startswith(dotted + "."):
             return origins[dotted]
