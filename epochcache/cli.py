@@ -36,7 +36,8 @@ configuration:
 
 exit codes:
   0  done (sync --once: every unit read)
-  1  verify found problems (without --fix); an unexpected failure (a bug: please report it)
+  1  verify found problems (without --fix); clear was not confirmed; an unexpected failure (a bug:
+     please report it)
   2  an error of configuration, credentials, the remote or the cache: one line on stderr
   3  sync --once finished, but some units were skipped and are still unread (see: epochcache status)
 
