@@ -15,10 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from epochcache.config import Config, load_config
-from epochcache.errors import EpochcacheError
+from epochcache.errors import ConfigError, EpochcacheError
 from epochcache.redact import install_filter, redact_text
 
 log = logging.getLogger("epochcache")
+
+DEFAULT_CONFIG = Path("config.yaml")
 
 DESCRIPTION = """\
 Train PyTorch on a remote dataset far larger than the local disk: a sync daemon samples the remote
@@ -34,7 +36,8 @@ configuration:
 
 exit codes:
   0  done (sync --once: every unit read)
-  1  verify found problems (without --fix); an unexpected failure (a bug: please report it)
+  1  verify found problems (without --fix); clear was not confirmed; an unexpected failure (a bug:
+     please report it)
   2  an error of configuration, credentials, the remote or the cache: one line on stderr
   3  sync --once finished, but some units were skipped and are still unread (see: epochcache status)
 
@@ -148,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", type=Path, default=Path("config.yaml"),
+    parser.add_argument("--config", "-c", type=Path, default=DEFAULT_CONFIG,
                         help="config file (default: %(default)s)")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -156,12 +159,20 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _config(args: argparse.Namespace) -> Config:
+    """The command's validated config; without ``--config``, a missing ./config.yaml says to give one."""
+    if args.config == DEFAULT_CONFIG and not DEFAULT_CONFIG.exists():
+        raise ConfigError(f"no {DEFAULT_CONFIG} in the current folder ({Path.cwd()}): give the config file "
+                          "with --config PATH")
+    return load_config(args.config, args.overrides)
+
+
 def _sync(args: argparse.Namespace) -> int:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from epochcache.sync.daemon import SyncDaemon
 
-    config = load_config(args.config, args.overrides)
+    config = _config(args)
     _warn_if_budget_exceeds_disk(config)
     with logging_redirect_tqdm():  # log lines print above the progress bar, not into it
         install_filter()  # on the handler the redirect put in place (older tqdm does not copy filters)
@@ -198,7 +209,7 @@ def _warn_if_budget_exceeds_disk(config: Config) -> None:
 def _status(args: argparse.Namespace) -> int:
     from epochcache.tools.status import cache_status, format_status
 
-    config = load_config(args.config, args.overrides)
+    config = _config(args)
     status = cache_status(config)
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0
@@ -209,7 +220,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     from epochcache.tools.maintenance import verify_cache
 
-    repairs, live = verify_cache(load_config(args.config, args.overrides), fix=args.fix)
+    repairs, live = verify_cache(_config(args), fix=args.fix)
     if args.json:
         print(json.dumps({**asdict(repairs), "problems": repairs.problems, "daemon_running": live}))
     else:
@@ -222,7 +233,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _gc(args: argparse.Namespace) -> int:
     from epochcache.tools.maintenance import collect_garbage
 
-    done = collect_garbage(load_config(args.config, args.overrides))
+    done = collect_garbage(_config(args))
     print("gc: " + ", ".join(f"{n} {what}" for what, n in done.items()))
     return 0
 
@@ -230,7 +241,7 @@ def _gc(args: argparse.Namespace) -> int:
 def _clear(args: argparse.Namespace) -> int:
     from epochcache.tools.clear import clear_cache, existing_layout
 
-    config = load_config(args.config, args.overrides)
+    config = _config(args)
     root = existing_layout(config).root
     if not args.yes:
         if not sys.stdin.isatty():
@@ -247,7 +258,7 @@ def _clear(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from epochcache.tools.plot import plot_cache
 
-    drawn = plot_cache(load_config(args.config, args.overrides), args.out)
+    drawn = plot_cache(_config(args), args.out)
     print(f"plot: {drawn} epochs drawn into {args.out}")
     return 0
 

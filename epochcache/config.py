@@ -4,7 +4,8 @@ Flow: ``load_config(path, overrides, env)`` merges, lowest precedence first, the
 the YAML file, ``EPOCHCACHE_SECTION__KEY`` environment variables (a double underscore between section
 and key; other ``EPOCHCACHE_*`` names are ignored) and ``section.key=value`` overrides
 (CLI flags), then validates the result into a frozen :class:`Config`. Every section rejects unknown
-keys. Sizes accept integers or strings such as ``"64MB"`` (10**6) and ``"64MiB"`` (2**20).
+keys; the YAML file, a key written twice; a URL, a scheme fsspec does not know. Sizes accept
+integers or strings such as ``"64MB"`` (10**6) and ``"64MiB"`` (2**20).
 Relative local paths (``cache.dir``, a scheme-less ``source.url``) are resolved against the directory
 of the YAML file, so a config means the same thing from any working directory.
 
@@ -16,10 +17,11 @@ or ``--set key=value`` as given), the dotted key path and the value, with secret
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -42,6 +44,8 @@ from epochcache.redact import MASK, is_secret_name, redact_text
 ENV_PREFIX = "EPOCHCACHE_"
 # The single `source:` is validated as entry 0 of `sources`; errors name it as the user wrote it.
 _SHORTHAND = re.compile(r"\bsources\.0(?=[.:= ]|$)")
+# What a size error advises, whatever pydantic could not parse (a word, a negative number, '').
+_SIZE_HINT = "give a number of bytes > 0 or a size such as 20GB (20*10**9) or 20GiB (20*2**30)"
 
 
 class _Section(BaseModel):
@@ -49,11 +53,29 @@ class _Section(BaseModel):
 
 
 def _resolve_local(value: str, info: ValidationInfo) -> str:
-    """Make a scheme-less relative path absolute against the config file's directory."""
-    if "://" in value or os.path.isabs(value):
+    """Make a scheme-less relative path absolute against the config file's directory; a URL's
+    scheme must be one fsspec knows (checked here, so a typo fails at load, not deep in a read)."""
+    if "://" in value:
+        _check_schemes(value)
+        return value
+    if os.path.isabs(value):
         return value
     base = (info.context or {}).get("base_dir")
     return str(Path(base or ".").joinpath(value).resolve())
+
+
+def _check_schemes(url: str) -> None:
+    """Refuse a URL (or a chained ``a::b://...`` URL) naming a protocol fsspec does not know."""
+    import fsspec  # only for a URL: importing the trainer's modules stays free of it
+
+    known = fsspec.available_protocols()
+    for link in url.split("::"):
+        scheme = link.split("://", 1)[0] if "://" in link else None
+        if scheme is not None and scheme not in known:
+            close = difflib.get_close_matches(scheme, known, n=1, cutoff=0.5)
+            guess = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown URL scheme {scheme!r}{guess}: give a protocol fsspec knows, such as "
+                             "s3://, gs://, az://, https:// or file://, or a local path")
 
 
 class SourceConfig(_Section):
@@ -344,13 +366,17 @@ def load_config(
         for loc, text in _error_parts(exc):
             if shorthand:
                 loc, text = _SHORTHAND.sub("source", loc, count=1), _SHORTHAND.sub("source", text)
-            parts.append(f"{_origin_of(loc, origins, file_origin)}: {text}")
+            parts.append(f"{_origin_of(loc, text, origins, file_origin)}: {text}")
         raise ConfigError(redact_text("; ".join(parts))) from None
 
 
-def _origin_of(loc: str, origins: Mapping[str, str], file_origin: str) -> str:
+def _origin_of(loc: str, text: str, origins: Mapping[str, str], file_origin: str) -> str:
     """Where the value at ``loc`` came from: the flag or env var that set it (or, for a section-level
-    error, the last one that set a key of the section), else the YAML file."""
+    error, the last one that set a key of the section; for a top-level one, the last that set a key
+    its ``text`` names), else the YAML file."""
+    if loc == "(top level)":
+        named = [origin for dotted, origin in origins.items() if dotted in text]
+        return named[-1] if named else file_origin
     for dotted in sorted(origins, key=len, reverse=True):
         if loc == dotted or loc.startswith(dotted + "."):
             return origins[dotted]
@@ -364,20 +390,42 @@ def format_validation_error(exc: ValidationError) -> str:
 
 
 def _error_parts(exc: ValidationError) -> list[tuple[str, str]]:
-    """``(dotted key path, "key.path = value: reason")`` for each of pydantic's errors."""
-    parts = []
+    """``(dotted key path, "key.path = value: reason")`` for each of pydantic's errors; the errors of
+    one value against each branch of a union (``0.5 or 'auto'``) are joined into one."""
+    parts: dict[str, str] = {}
     for err in exc.errors(include_url=False):
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        # An unknown key is the user's spelling (``max-bytes``), kept whole; others are paths of ours.
+        key = err["loc"] if err["type"] == "extra_forbidden" else _key_path(err["loc"])
+        loc = ".".join(str(p) for p in key) or "(top level)"
         if err["type"] == "extra_forbidden":
-            parts.append((loc, f"{loc}: unknown key; {_valid_keys_hint(err['loc'])}"))
+            parts[loc] = f"{loc}: unknown key; {_valid_keys_hint(key)}"
         elif err["type"] == "missing":
-            parts.append((loc, f"{loc}: required key is missing"))
+            parts[loc] = f"{loc}: required key is missing"
+        elif loc in parts:  # another branch of the same union
+            parts[loc] += " or " + err["msg"].removeprefix("Input should be ")
         else:
-            msg = err["msg"].removeprefix("Value error, ")
             # A section-level check names its keys in the message; its input is the whole section.
             value = "" if isinstance(err["input"], dict) else f" = {_shown(loc, err['input'])!r}"
-            parts.append((loc, f"{loc}{value}: {msg}"))
-    return parts
+            parts[loc] = f"{loc}{value}: {_reason(err, key)}"
+    return list(parts.items())
+
+
+def _key_path(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """``loc`` without pydantic's union branch tags (``constrained-float``, ``literal['auto']``),
+    which are never identifiers, unlike every key of the models."""
+    return tuple(part for part in loc if isinstance(part, int) or part.isidentifier())
+
+
+def _reason(err: Any, key: tuple[int | str, ...]) -> str:
+    """pydantic's message, with the fix where its own names none (sizes, sections)."""
+    if err["type"] == "byte_size":
+        return f"not a size: {_SIZE_HINT}"
+    if err["type"] == "byte_size_unit":
+        return f"{err['msg']}: units are B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2)"
+    if err["type"] == "model_type":
+        hint = _valid_keys_hint((*key, "")).removeprefix("valid keys here: ")
+        return f"must be a section of keys ({hint}), got {type(err['input']).__name__}"
+    return str(err["msg"]).removeprefix("Value error, ")
 
 
 def _shown(dotted: str, value: Any) -> Any:
@@ -400,13 +448,35 @@ def _valid_keys_hint(loc: tuple[int | str, ...]) -> str:
     return "valid keys here: " + ", ".join(sorted(model.model_fields))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping: YAML forbids it, and PyYAML
+    would keep the last silently (a second ``cache:`` section would drop every key of the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # the base class refuses it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is written twice in one section: keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {exc.start}): "
+                          "give the YAML config file, saved as UTF-8") from exc
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: builds no Python objects
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" line {where.line + 1}" if where is not None else ""
@@ -422,7 +492,7 @@ def _split_override(item: str) -> tuple[str, str]:
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
         # No '=' or no key: nothing that could be a secret's value to mask.
-        raise ConfigError(f"--set {item!r} is not of the form section.key=value")
+        raise ConfigError(f"--set {item!r} is not of the form section.name=value, e.g. --set cache.max_bytes=20GB")
     return key.strip(), value
 
 

@@ -263,7 +263,7 @@ def test_negative_seed_refused(tmp_path: Path, key: str) -> None:
 
 @pytest.mark.parametrize("item", ["nokey", "=3", "  =x"])
 def test_malformed_override_refused(tmp_path: Path, item: str) -> None:
-    with pytest.raises(ConfigError, match="section.key=value"):
+    with pytest.raises(ConfigError, match="section.name=value"):
         load_config(minimal(tmp_path), overrides=[item], env={})
 
 

@@ -22,15 +22,21 @@ from epochcache.config import Config
 from epochcache.errors import CacheError
 
 
-def existing_layout(config: Config) -> CacheLayout:
-    """The layout of ``cache.dir`` if it holds a cache (its ledger folder); :class:`CacheError`
-    naming the path otherwise. Creates nothing: a mistyped ``cache.dir`` stays absent."""
+def existing_layout(config: Config, ledger_lost: bool = False) -> CacheLayout:
+    """The layout of ``cache.dir`` if it holds a cache (its ledger folder, or with ``ledger_lost`` its
+    shards folder: ``verify --fix`` rebuilds a lost ledger from the shard files); :class:`CacheError`
+    naming the path and what is there otherwise. Creates nothing: a mistyped ``cache.dir`` stays absent."""
     layout = CacheLayout(Path(config.cache.dir).resolve())
-    if not layout.ledger.is_dir():
-        state = "holds no epochcache cache" if layout.root.is_dir() else "does not exist"
-        raise CacheError(f"cache.dir {str(layout.root)!r} {state}: check cache.dir in the config "
-                         "(only `epochcache sync` creates a cache)")
-    return layout
+    if layout.ledger.is_dir() or (ledger_lost and layout.shards.is_dir()):
+        return layout
+    if layout.root.is_dir():
+        state = "holds no epochcache cache"
+    elif layout.root.exists():
+        state = "is a file, not a folder"
+    else:
+        state = "does not exist"
+    raise CacheError(f"cache.dir {str(layout.root)!r} {state}: check cache.dir in the config "
+                     "(only `epochcache sync` creates a cache)")
 
 
 def clear_cache(config: Config) -> dict[str, int]:

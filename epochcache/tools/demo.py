@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -27,9 +28,9 @@ import pyarrow as pa
 import yaml
 
 from epochcache.cache.layout import CacheLayout
-from epochcache.cache.ledger import Ledger
+from epochcache.cache.ledger import LEDGER_RESERVE, Ledger
 from epochcache.config import load_config
-from epochcache.errors import LoaderError
+from epochcache.errors import ConfigError, LoaderError
 from epochcache.sources.layouts import tensor_table, write_parquet
 from epochcache.tools.status import human_bytes
 
@@ -40,6 +41,9 @@ GROUPS_PER_FILE = 4
 MAX_ROWS_PER_GROUP = 512
 MIN_GROUPS = 48
 _MARKER = "_COMPLETE.json"
+# write_config's budget (half the remote) must hold two shards of at least 64KiB plus the ledger's
+# reserve twice (CacheConfig's check); the image bytes alone bound the remote's size from below.
+MIN_SAMPLES = math.ceil(4 * (2**16 + LEDGER_RESERVE) / math.prod(IMAGE_SHAPE))
 
 
 def generate_remote(path: Path, samples: int, seed: int = 0) -> Path:
@@ -92,8 +96,9 @@ def write_config(folder: Path, remote: Path, remote_bytes: int) -> Path:
 def run_demo(
     folder: Path, epochs: int = 12, samples: int = 24576, out: TextIO = sys.stdout
 ) -> list[dict[str, float | None]]:
-    """Run the demo in ``folder``; return the per-epoch rows it printed."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Run the demo in ``folder``; return the per-epoch rows it printed. :class:`ConfigError` naming
+    the flag (``--dir``, ``--epochs``, ``--samples``) for arguments the demo cannot run with."""
+    _check_args(folder, epochs, samples)
     print(f"generating the demo remote ({samples} samples) in {folder / 'remote'} (once) ...", file=out, flush=True)
     remote = generate_remote(folder / "remote", samples)
     remote_bytes = sum(p.stat().st_size for p in remote.glob("*.parquet"))
@@ -117,6 +122,20 @@ def run_demo(
     print(f"sync daemon stopped cleanly (exit code {code})" if code == 0 else
           f"sync daemon exited with code {code}: see {folder / 'daemon.log'}", file=out, flush=True)
     return rows
+
+
+def _check_args(folder: Path, epochs: int, samples: int) -> None:
+    """Refuse what the demo cannot run with, before anything is generated; creates ``folder``."""
+    if epochs < 1:
+        raise ConfigError(f"--epochs {epochs}: the demo trains at least one epoch; give --epochs 1 or more")
+    if samples < MIN_SAMPLES:
+        raise ConfigError(f"--samples {samples} is too few for the demo's cache (half the remote) to hold two "
+                          f"shards: give --samples {MIN_SAMPLES} or more")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--dir {str(folder)!r}: cannot create the demo folder ({exc.strerror}): "
+                          "give another --dir") from exc
 
 
 def _train(torch: ModuleType, config_path: Path, epochs: int, out: TextIO) -> list[dict[str, float | None]]:

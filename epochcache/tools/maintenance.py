@@ -2,7 +2,8 @@
 
 Flow: Config -> open the layout and ledger -> :func:`epochcache.cache.repair.check` / ``reconcile`` or the
 quarantine purge -> counts. Anything that deletes files other than quarantined ones takes the cache
-dir's lock, so it never races a running sync daemon (which holds it).
+dir's lock, so it never races a running sync daemon (which holds it). A ``cache.dir`` that holds no
+cache is refused, never created (a mistyped path would otherwise pass as a cache with nothing wrong).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from epochcache.cache.quarantine import purge_quarantine
 from epochcache.cache.repair import Repairs, check, reconcile
 from epochcache.config import Config
 from epochcache.errors import LedgerError, LedgerFullError
+from epochcache.tools.clear import existing_layout
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +29,10 @@ def verify_cache(config: Config, fix: bool = False) -> tuple[Repairs, bool]:
 
     With ``fix``, an unreadable ledger is first rebuilt from the shard files (each carries its record).
     Returns what was found and whether a daemon was running. Raises :class:`DaemonRunningError` if
-    ``fix`` is asked while a daemon runs.
+    ``fix`` is asked while a daemon runs, :class:`CacheError` if ``cache.dir`` holds no cache.
     """
     if fix:
-        layout = CacheLayout.create(config.cache.dir)
+        layout = CacheLayout.create(existing_layout(config, ledger_lost=True).root)
         with exclusive(layout.lock, "epochcache verify --fix"):
             ledger = _whole_ledger(layout)
             try:
@@ -74,7 +76,7 @@ def _whole_ledger(layout: CacheLayout) -> Ledger:
 
 @contextmanager
 def _opened(config: Config) -> Iterator[tuple[CacheLayout, Ledger]]:
-    layout = CacheLayout.create(config.cache.dir)
+    layout = existing_layout(config)
     ledger = Ledger(layout.ledger)
     try:
         yield layout, ledger

@@ -16,7 +16,7 @@ from typing import Any
 from epochcache.cache.coverage import of_epoch
 from epochcache.cache.ledger import Ledger
 from epochcache.config import Config
-from epochcache.errors import CacheError, EpochcacheError
+from epochcache.errors import CacheError, ConfigError, EpochcacheError
 from epochcache.tools.clear import existing_layout
 
 # An epoch record per epoch: a long run has thousands, and a figure shows them all.
@@ -25,7 +25,8 @@ MAX_EPOCHS = 1_000_000
 
 def plot_cache(config: Config, out: Path) -> int:
     """Write the figure to ``out``; return the number of epochs drawn. Raises :class:`CacheError`
-    for a cache without epochs, :class:`EpochcacheError` when matplotlib is not installed."""
+    for a cache without epochs, :class:`EpochcacheError` when matplotlib is not installed,
+    :class:`ConfigError` naming ``--out`` when the image cannot be written there."""
     layout = existing_layout(config)
     ledger = Ledger(layout.ledger)
     try:
@@ -36,9 +37,24 @@ def plot_cache(config: Config, out: Path) -> int:
         raise CacheError(f"no epoch has run on {layout.root} yet: nothing to plot (train on it first)")
     pyplot = _pyplot()
     figure = _figure(pyplot, epochs, int(config.cache.max_bytes))
-    figure.savefig(out, dpi=120)
-    pyplot.close(figure)
+    try:
+        _save(figure, out)
+    finally:
+        pyplot.close(figure)
     return len(epochs)
+
+
+def _save(figure: Any, out: Path) -> None:
+    """``figure`` written to ``out`` in the format its suffix names; :class:`ConfigError` otherwise."""
+    formats = figure.canvas.get_supported_filetypes()
+    if out.suffix and out.suffix[1:].lower() not in formats:  # no suffix: matplotlib's default, PNG
+        raise ConfigError(f"--out {str(out)!r}: no image format of that suffix; end the name with one of "
+                          + ", ".join(f".{name}" for name in sorted(formats)))
+    try:
+        figure.savefig(out, dpi=120)
+    except OSError as exc:
+        raise ConfigError(f"--out {str(out)!r}: cannot write the image ({exc.strerror}): give a path in an "
+                          "existing folder") from exc
 
 
 def _pyplot() -> Any:

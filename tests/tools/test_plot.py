@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from epochcache import Ledger, ShardRecord
@@ -51,3 +52,14 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "pip install 'epochcache[plot]'" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("out", "shown"), [
+    ("missing/cache.png", "cannot write the image (No such file or directory): give a path in an existing folder"),
+    ("cache.xyz", "no image format of that suffix; end the name with one of .avif, .eps"),
+])
+def test_an_unwritable_out_is_one_line(tmp_path: Path, capsys, out: str, shown: str) -> None:
+    config = _cache_with_epochs(tmp_path, 2)
+    assert main(["plot", "-c", str(config), "--out", str(tmp_path / out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--out '{tmp_path / out}': " in err[0] and shown in err[0], err
