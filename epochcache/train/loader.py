@@ -45,7 +45,6 @@ import os
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -134,7 +133,10 @@ class EpochCachedLoader:
         # shard mappings the batch thread reuses from epoch to epoch, at most max_open_shards of them
         self._maps: ShardMaps[Any] = ShardMaps(self.config.max_open_shards)
         self._closed = threading.Event()
-        self._iterators: weakref.WeakSet[Generator[Any, None, None]] = weakref.WeakSet()  # epochs handed out
+        # the epochs being iterated (epoch -> its prepared epoch and batches), for close() to end them:
+        # kept by the epoch itself, a dict entry costs its start nothing (a weak reference to each
+        # iterator, taken in __iter__, cost ~5 µs of the epoch gap, measured)
+        self._iterated: dict[int, tuple[PreparedEpoch, Generator[Any, None, None]]] = {}
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-prepare")
         self._cleanup_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-cleanup")
         ahead = self.config.prefetch_batches * max(self._sources.workers, 1)
@@ -168,11 +170,6 @@ class EpochCachedLoader:
         if self._closed.is_set():
             raise LoaderError("this EpochCachedLoader is closed (its leases are released and its ledger connection "
                               "closed): make a new one to train on")
-        epoch = self._epoch_batches()
-        self._iterators.add(epoch)  # closed by close() if still open then
-        return epoch
-
-    def _epoch_batches(self) -> Generator[Any, None, None]:
         started = time.monotonic()
         self._sources.start_workers()
         self._wait_for_samples()
@@ -186,6 +183,7 @@ class EpochCachedLoader:
         batches, completed = current.batches(), False
         recorded: Future[None] | None = None
         stream = self._on_device(batches)
+        self._iterated[epoch] = (current, stream)  # for close(), should it come first
         try:
             for number, batch in enumerate(stream, start=info.start_batch):
                 self._progress.position = number + 1
@@ -193,8 +191,8 @@ class EpochCachedLoader:
                     self._last = first = current.first_batch_out(time.monotonic() - started)
                     try:
                         yield batch
-                    finally:  # (also when the first batch is the last one taken)
-                        if not interpreter_exiting():
+                    finally:  # (also when the first batch is the last one taken; not once closed)
+                        if epoch in self._iterated and not interpreter_exiting():
                             recorded = self._after_first_batch_out(current, first)
                 else:
                     yield batch
@@ -206,25 +204,21 @@ class EpochCachedLoader:
             self._prepare_ahead(epoch + 1)
             completed = True
         finally:
-            # Collected as Python finalizes (the loader left open): the batch threads are stopped for
-            # good, so nothing is waited for; the lease lapses (see epochcache.threads).
-            if not interpreter_exiting():
-                self._end_epoch(current, stream, batches, recorded, completed)
-
-    def _end_epoch(self, current: PreparedEpoch, stream: Generator[Any, None, None],
-                   batches: Generator[Any, None, None], recorded: Future[None] | None, completed: bool) -> None:
-        """Close an epoch's batches as its iterator ends (``completed``: every batch was handed out)."""
-        stream.close()
-        batches.close()
-        if recorded is not None:  # done long since: last_epoch then has its coverage, the lease its record
-            recorded.result()
-        if completed:
-            # Off the path to the next epoch's first batch: stopping the batch thread and
-            # releasing the lease (a ledger write) wait until the trainer is back from that batch.
-            self._retire_previous()
-            self._retiring = current
-        else:
-            self._finish(current)
+            # Not when close() ended the epoch already (its batches closed, its lease released), nor when
+            # collected as Python finalizes (the loader left open): the batch threads are stopped for
+            # good, so nothing is waited for, and the lease lapses (see epochcache.threads).
+            if self._iterated.pop(epoch, None) is not None and not interpreter_exiting():
+                stream.close()
+                batches.close()
+                if recorded is not None:  # done long since: last_epoch then has its coverage, the lease its record
+                    recorded.result()
+                if completed:
+                    # Off the path to the next epoch's first batch: stopping the batch thread and
+                    # releasing the lease (a ledger write) wait until the trainer is back from that batch.
+                    self._retire_previous()
+                    self._retiring = current
+                else:
+                    self._finish(current)
 
     def _after_first_batch_out(self, current: PreparedEpoch, info: EpochInfo) -> Future[None]:
         """Once the trainer comes back from an epoch's first batch: one task for the cleanup thread (to
@@ -291,8 +285,10 @@ class EpochCachedLoader:
         """Release every lease, drop a prepared epoch and stop the background threads."""
         if self._closed.is_set():
             return
-        for epoch in list(self._iterators):  # an epoch still iterated: its batch thread stops first
-            epoch.close()
+        for current, stream in self._iterated.values():  # an epoch still iterated: its batches end here
+            stream.close()
+            self._finish(current)
+        self._iterated.clear()
         self._closed.set()
         self._drop_prepared()
         self._retire_previous()

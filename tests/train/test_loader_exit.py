@@ -61,7 +61,7 @@ def test_close_stops_an_epoch_still_iterated_and_releases_its_lease(cache_dir: s
     with pytest.raises(StopIteration):
         next(epoch)
     with pytest.raises(LoaderError, match="closed.*make a new one"):
-        iter(loader)
+        next(iter(loader))
     ledger = Ledger(CacheLayout(Path(cache_dir)).ledger)
     try:
         assert ledger.leases.live() == []
