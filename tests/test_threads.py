@@ -39,5 +39,5 @@ def test_shutdown_cancels_the_tasks_not_started_when_asked() -> None:
     assert running.result(timeout=10) is True and queued.cancelled()
 
 
-def test_the_interpreter_is_not_exiting_while_the_main_thread_runs() -> None:
+def test_the_interpreter_is_not_finalizing_while_tests_run() -> None:
     assert interpreter_exiting() is False
