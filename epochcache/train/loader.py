@@ -34,8 +34,9 @@ its order, and all ranks of the job get the same number of batches (see :mod:`ep
 snapshot, seed and epoch, so a resumed epoch skips the batches already seen without reading them.
 
 This module is the epoch loop; its parts: :mod:`epochcache.train.epochs` builds an epoch (snapshot,
-shards, dataset, order), :mod:`epochcache.train.batch_sources` makes its batch source (thread or
-worker pool), :mod:`epochcache.train.leases` holds and renews the leases.
+shards, dataset, order), :mod:`epochcache.train.turnover` prepares the next one ahead and retires the
+last, :mod:`epochcache.train.batch_sources` makes its batch source (thread or worker pool),
+:mod:`epochcache.train.leases` holds and renews the leases.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import socket
 import threading
 import time
 from collections.abc import Generator, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,7 @@ from epochcache.train.mappings import ShardMaps
 from epochcache.train.resume import Progress, read_state
 from epochcache.train.timing import PrepareClock
 from epochcache.train.transform import BatchTransform, SampleTransform
+from epochcache.train.turnover import EpochTurnover
 from epochcache.train.waiting import wait_for_samples
 
 log = logging.getLogger(__name__)
@@ -125,9 +127,6 @@ class EpochCachedLoader:
         self._last: EpochInfo | None = None
         self._progress: Progress | None = None
         self._resume: Progress | None = None
-        self._next: tuple[int, Future[PreparedEpoch]] | None = None
-        self._unstarted: Future[PreparedEpoch] | None = None  # the next epoch, until queued on the worker pool
-        self._retiring: PreparedEpoch | None = None  # the last epoch, done but its batch source not yet stopped
         # one checksumming thread per host (local rank 0), started on each epoch's first batch
         self._verifier = BackgroundVerifier(self._layout) if self._peers.local_rank == 0 else None
         # shard mappings the batch thread reuses from epoch to epoch, at most max_open_shards of them
@@ -137,13 +136,13 @@ class EpochCachedLoader:
         # kept by the epoch itself, a dict entry costs its start nothing (a weak reference to each
         # iterator, taken in __iter__, cost ~5 µs of the epoch gap, measured)
         self._iterated: dict[int, tuple[PreparedEpoch, Generator[Any, None, None]]] = {}
-        self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-prepare")
-        self._cleanup_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-cleanup")
         ahead = self.config.prefetch_batches * max(self._sources.workers, 1)
         self._clock = PrepareClock(ahead, self.config.prepare_next_at)
         self._leases = HeldLeases(self._ledger, self.config.lease_ttl_s)
         self._builder = EpochBuilder(self._layout, self._ledger, self._peers, self._leases, self._maps, self._owner,
                                      self._closed, self._clock, self._commits)
+        self._turnover = EpochTurnover(self._prepare, self._builder, self._leases, self._verifier, self._record,
+                                       self._closed, queued=bool(self._sources.workers))
 
     @classmethod
     def from_config(cls, path: str | os.PathLike[str], overrides: Any = (), **kwargs: Any) -> EpochCachedLoader:
@@ -176,7 +175,8 @@ class EpochCachedLoader:
         epoch = self._epoch
         self._epoch += 1
         resume, self._resume = self._resume, None
-        current = self._take_prepared(epoch, resume)
+        turnover = self._turnover
+        current = turnover.take(epoch, resume)
         info = self._last = current.info
         self._progress = Progress(epoch, info.start_batch, info.batches, current.shards)
         self._clock.begin(info.batches)
@@ -193,15 +193,15 @@ class EpochCachedLoader:
                         yield batch
                     finally:  # (also when the first batch is the last one taken; not once closed)
                         if epoch in self._iterated and not interpreter_exiting():
-                            recorded = self._after_first_batch_out(current, first)
+                            recorded = turnover.first_batch_out(current, first)
                 else:
                     yield batch
-                if self._next is None and self._clock.due(number):
-                    self._prepare_ahead(epoch + 1)
-                if self._unstarted is not None:
-                    self._start_prepared()
+                if turnover.next is None and self._clock.due(number):
+                    turnover.prepare_ahead(epoch + 1)
+                if turnover.unstarted is not None:
+                    turnover.start_if_built()
             self._progress = None
-            self._prepare_ahead(epoch + 1)
+            turnover.prepare_ahead(epoch + 1)
             completed = True
         finally:
             # Not when close() ended the epoch already (its batches closed, its lease released), nor when
@@ -215,29 +215,9 @@ class EpochCachedLoader:
                 if completed:
                     # Off the path to the next epoch's first batch: stopping the batch thread and
                     # releasing the lease (a ledger write) wait until the trainer is back from that batch.
-                    self._retire_previous()
-                    self._retiring = current
+                    turnover.retire(current)
                 else:
-                    self._finish(current)
-
-    def _after_first_batch_out(self, current: PreparedEpoch, info: EpochInfo) -> Future[None]:
-        """Once the trainer comes back from an epoch's first batch: one task for the cleanup thread (to
-        retire the last epoch, then record this one). Not earlier: waking that thread as the first batch
-        was handed out delayed it by ~0.2 ms (median of 37 epoch starts, the thread's wake-up alone)."""
-        retiring, self._retiring = self._retiring, None
-        return self._cleanup_pool.submit(self._after_first_batch, current, info, retiring)
-
-    def _after_first_batch(self, current: PreparedEpoch, info: EpochInfo, retiring: PreparedEpoch | None) -> None:
-        """On the cleanup thread, once an epoch's first batch is out: queue its unverified shards for
-        checksumming (never before the first batch, see :mod:`epochcache.cache.verifier`; queued here,
-        not on the boundary, where it took 3-4 µs of the trainer's), stop the last epoch's batch source
-        and release its lease, then record this epoch."""
-        if self._verifier is not None:
-            self._verifier.submit(current.unverified)
-        if retiring is not None:
-            self._finish(retiring)
-        self._record(current, info)
-        self._recheck()
+                    turnover.finish(current)
 
     def _record(self, current: PreparedEpoch, info: EpochInfo) -> None:
         """Record the running epoch in the ledger (local rank 0, for its node: the samples its batches
@@ -277,7 +257,7 @@ class EpochCachedLoader:
         """
         resume, seed = read_state(state)
         self.config = self.config.model_copy(update={"seed": seed})
-        self._drop_prepared()
+        self._turnover.drop()
         self._epoch, self._progress = resume.epoch, None
         self._resume = resume if resume.shards else None
 
@@ -287,13 +267,10 @@ class EpochCachedLoader:
             return
         for current, stream in self._iterated.values():  # an epoch still iterated: its batches end here
             stream.close()
-            self._finish(current)
+            self._turnover.finish(current)
         self._iterated.clear()
         self._closed.set()
-        self._drop_prepared()
-        self._retire_previous()
-        self._prepare_pool.shutdown(wait=True)
-        self._cleanup_pool.shutdown(wait=True)
+        self._turnover.close()
         self._sources.close()
         self._maps.clear()  # (unmapped now, not when the loader is collected: see ShardMaps)
         self._leases.close()
@@ -321,68 +298,6 @@ class EpochCachedLoader:
     def _on_device(self, batches: Generator[Any, None, None]) -> Generator[Any, None, None]:
         return batches if self._device is None else to_device(batches, self._device)
 
-    def _take_prepared(self, epoch: int, resume: Progress | None) -> PreparedEpoch:
-        if resume is None and self._next is not None and self._next[0] == epoch:
-            future = self._next[1]
-            self._next = self._unstarted = None
-            prepared = future.result()
-            # A shard quarantined since its snapshot (the verifier found it damaged; its mapping
-            # may still be open here) must not be read by an epoch that starts now: build it again.
-            if prepared.usable and not self._builder.quarantined_since(prepared):
-                return prepared
-            self._finish(prepared)  # its worker pool was closed by an epoch left early, or a shard left
-        self._drop_prepared()
-        return self._prepare(epoch, ahead=False, resume=resume)
-
-    def _drop_prepared(self) -> None:
-        if self._next is not None:
-            _, future = self._next
-            self._next = self._unstarted = None
-            if not future.cancel() and future.exception() is None:
-                self._finish(future.result())
-
-    def _start_prepared(self) -> None:
-        """Queue the prepared next epoch on the worker pool, from this (the main) thread, once it is built."""
-        unstarted = self._unstarted
-        if unstarted is not None and unstarted.done():
-            self._unstarted = None
-            if unstarted.exception() is None:
-                unstarted.result().start()
-
-    def _prepare_ahead(self, epoch: int) -> None:
-        if self._next is None and not self._closed.is_set():
-            self._next = (epoch, self._prepare_pool.submit(self._prepare, epoch, True, None))
-            # (the cleanup thread's commits may land while it is prepared: check it again after them)
-            self._next[1].add_done_callback(self._recheck_later)
-            if self._sources.workers:  # (a batch thread starts itself)
-                self._unstarted = self._next[1]
-
     def _prepare(self, epoch: int, ahead: bool, resume: Progress | None) -> PreparedEpoch:
         return self._builder.build(epoch, ahead, resume, self.config, self._sources.for_epoch)
 
-    def _recheck_later(self, _: Future[PreparedEpoch]) -> None:
-        """Once the next epoch is prepared: :meth:`_recheck` it on the cleanup thread, unless that
-        pool takes no more work (the loader closed, or Python exiting: no epoch starts any more)."""
-        try:
-            self._cleanup_pool.submit(self._recheck)
-        except RuntimeError:  # submit's refusal once shut down: there is nothing to recheck for
-            return
-
-    def _recheck(self) -> None:
-        """On the cleanup thread, after this loader's own commits and once the next epoch is prepared
-        (whichever comes last): :meth:`EpochBuilder.recheck` the prepared epoch."""
-        pending = self._next
-        future = pending[1] if pending is not None else None
-        if future is None or not future.done() or future.cancelled() or future.exception() is not None:
-            return
-        self._builder.recheck(future.result())
-
-    def _retire_previous(self) -> None:
-        """Stop the finished epoch's batch source and release its lease, in the background."""
-        if self._retiring is not None:
-            self._cleanup_pool.submit(self._finish, self._retiring)
-            self._retiring = None
-
-    def _finish(self, epoch: PreparedEpoch) -> None:
-        epoch.close()
-        self._leases.release(epoch.lease.id)

@@ -21,6 +21,7 @@ from epochcache.cache.shards import open_shard
 from epochcache.config import Config
 from epochcache.tools.pss import process_tree
 from epochcache.train.slots import SlotRing
+from epochcache.train.turnover import EpochTurnover
 
 
 @pytest.fixture
@@ -89,14 +90,14 @@ def prepared(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     pool at the batch after, well before the epoch's last batch. (Loaders without workers, such as
     :func:`_reference`'s, run to their epoch's end and prepare ahead too: they never set it.)"""
     done = threading.Event()
-    prepare_ahead = EpochCachedLoader._prepare_ahead
+    prepare_ahead = EpochTurnover.prepare_ahead
 
-    def prepare_ahead_then_tell(loader: EpochCachedLoader, epoch: int) -> None:
-        prepare_ahead(loader, epoch)
-        if loader.num_workers and loader._next is not None:  # (None once closed)
-            loader._next[1].add_done_callback(lambda _: done.set())
+    def prepare_ahead_then_tell(turnover: EpochTurnover, epoch: int) -> None:
+        prepare_ahead(turnover, epoch)
+        if turnover.unstarted is not None:  # (with workers only; None once closed)
+            turnover.unstarted.add_done_callback(lambda _: done.set())
 
-    monkeypatch.setattr(EpochCachedLoader, "_prepare_ahead", prepare_ahead_then_tell)
+    monkeypatch.setattr(EpochTurnover, "prepare_ahead", prepare_ahead_then_tell)
     return done
 
 
