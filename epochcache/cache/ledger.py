@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import sqlite3
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,9 @@ PUBLISH_GROWTH = 64 * 1024
 # gives :class:`Stage` values, the ledger walks them in turn by index (a shard picked by one stage
 # is not picked again) instead of loading every candidate.
 Chooser = Callable[[Sequence[ShardRecord], int], Sequence[ShardRecord]]
+
+# The kv key of the ids of shards retired because the remote rewrote an object they hold rows of.
+_OUTDATED = "outdated"
 
 
 class Ledger:
@@ -137,13 +140,15 @@ class Ledger:
         return [record(r) for r in rows]
 
     def cached_units(self, keys: Iterable[str]) -> set[str]:
-        """Which of ``keys`` are units of a published shard."""
+        """Which of ``keys`` are units of a published shard (one retired as outdated does not count:
+        see :meth:`retire_rewritten`)."""
         out = set()
         with self.db.read() as con:
+            outdated = set(kv(con, _OUTDATED) or ())
             for key in keys:
-                for (units,) in con.execute("SELECT s.units FROM units u JOIN shards s ON s.n = u.shard "
-                                            "WHERE u.h = ?", (unit_hash(key),)):
-                    if key in json.loads(units):  # a hash collision is not a hit
+                for sid, units in con.execute("SELECT s.id, s.units FROM units u JOIN shards s ON s.n = u.shard "
+                                              "WHERE u.h = ?", (unit_hash(key),)):
+                    if key in json.loads(units) and sid not in outdated:  # a hash collision is not a hit
                         out.add(key)
                         break
         return out
@@ -263,9 +268,39 @@ class Ledger:
         self.db.set("reserved", 0)
 
     def clear_retiring(self) -> None:
-        """Return retiring shards to snapshots (at daemon start: their retirement was never finished)."""
+        """Return retiring shards to snapshots (at daemon start: their retirement was never finished),
+        except those retired as outdated (:meth:`retire_rewritten`), which never return."""
         with self.db.write() as con:
-            con.execute("UPDATE shards SET state = 0 WHERE state = 1")
+            con.execute("UPDATE shards SET state = 0 WHERE state = 1 AND id NOT IN (SELECT value FROM json_each(?))",
+                        (json.dumps(kv(con, _OUTDATED) or []),))
+
+    def retire_rewritten(self, paths: Collection[str]) -> tuple[list[ShardRecord], int]:
+        """Retire for good the shards holding rows of ``paths``, objects the remote has rewritten since
+        their rows were read. Those no lease holds are removed at once: their records are returned
+        (the caller deletes their files). The others, held by a running epoch (which reads them to its
+        end), leave new snapshots at once, never return to them (not at a daemon restart either:
+        :meth:`clear_retiring`) and are evicted first, as any retiring shard, once no lease holds them.
+        Either way their units no longer count as cached (:meth:`cached_units`): the next reads take
+        the new version. Returns the records removed and how many shards wait for their leases.
+        Reads every shard's unit list (only when a listing shows rewritten objects): O(units cached)."""
+        wanted = set(paths)
+        if not wanted:
+            return [], 0
+        with self.db.read() as con:
+            hit = {sid for sid, units in con.execute("SELECT id, units FROM shards")
+                   if any(unit.rsplit("#", 1)[0] in wanted for unit in json.loads(units))}
+        if not hit:
+            return [], 0
+        with self.db.write() as con:
+            con.executemany(f"UPDATE shards SET {FOLD}, state = 1 WHERE id = :id AND state = 0",
+                            ({**clock(con), "id": sid} for sid in hit))
+            removed = [r for r in unleased_retiring(con) if r.id in hit]
+            delete_shards(con, [r.id for r in removed])
+            # (the list keeps the retiring shards of earlier rewrites: any evicted since are dropped from it)
+            retiring = {sid for (sid,) in con.execute("SELECT id FROM shards WHERE state = 1")}
+            set_kv(con, _OUTDATED, sorted(retiring & (set(kv(con, _OUTDATED) or ()) | hit)))
+            incr(con, "outdated", len(hit))
+        return removed, len(hit) - len(removed)
 
     # -- counters -------------------------------------------------------------------------------
 

@@ -56,6 +56,33 @@ class DaemonState:
         with self._db.write() as con:
             con.execute("DELETE FROM listing_pages WHERE stream = ?", (stream,))
 
+    # A new pass's listing is compared with the last one (:meth:`keep_previous_listing`, then
+    # :meth:`rewritten`): the last one's pages are kept under the stream's name plus this suffix
+    # (no configured name holds a NUL) until :meth:`drop_previous_listing`.
+    _PREVIOUS = "\0previous"
+
+    def keep_previous_listing(self, stream: str = "") -> None:
+        """Set ``stream``'s listing pages aside (replacing any set aside before) for :meth:`rewritten`
+        to compare the next listing with."""
+        with self._db.write() as con:
+            con.execute("DELETE FROM listing_pages WHERE stream = ?", (stream + self._PREVIOUS,))
+            con.execute("UPDATE listing_pages SET stream = ? WHERE stream = ?", (stream + self._PREVIOUS, stream))
+
+    def rewritten(self, stream: str = "") -> list[str]:
+        """Paths that both ``stream``'s listing and the one set aside list, under other ETags: objects
+        rewritten in place between the two. (Objects gone, or listed without an ETag, are not among
+        them: a listing that lost objects says nothing about the versions of those it has.)"""
+        with self._db.read() as con:
+            # one sort of both listings by path (a join of the two would run without an index)
+            return [path for (path,) in con.execute(
+                "SELECT path FROM (SELECT json_extract(o.value, '$[0]') AS path, json_extract(o.value, '$[2]') AS etag "
+                "FROM listing_pages p, json_each(p.objects) o WHERE p.stream IN (:old, :new)) "
+                "GROUP BY path HAVING count(*) = 2 AND count(etag) = 2 AND min(etag) != max(etag)",
+                {"old": stream + self._PREVIOUS, "new": stream})]
+
+    def drop_previous_listing(self, stream: str = "") -> None:
+        self.drop_listing_pages(stream + self._PREVIOUS)
+
     def status(self) -> dict[str, Any] | None:
         """What the daemon last said it is doing (``{"pid", "state", "since", ...}``), for status."""
         return self._db.get("daemon")  # type: ignore[no-any-return]

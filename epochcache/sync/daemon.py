@@ -175,8 +175,8 @@ class _Run:
                 _joined(DaemonThreadPool(1, "publish")) as writer:
             self.writer = ShardWriter(writer, publisher, self.claims, self.report, self.bar, self.daemon.on_publish,
                                       self.stop)
-            walk = Walk(self.cfg, self.ledger, self.streams, pool, self.retrier, self.claims, self.skips,
-                        self.vitals, self.stop, self.once)
+            walk = Walk(self.cfg, self.daemon.layout, self.ledger, self.streams, pool, self.retrier, self.claims,
+                        self.skips, self.vitals, self.stop, self.once)
             window = FetchWindow(pool, self.retrier, self.claims, self.skips, self.intake,
                                  self.cfg.sampler.concurrency, self._first_shard_pending, self.stop)
             try:

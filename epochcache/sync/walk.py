@@ -3,7 +3,9 @@
 In: the streams, the position to start from, the ledger (listings, skips). Out: ``(stream, unit,
 position just past it)`` items; ``unit`` None ends the stream's pass; ``stream`` None pauses the
 walk (every stream idle). Each stream's listing is streamed into the ledger once per pass and
-reopened from it across restarts, so a restart walks the same order.
+reopened from it across restarts, so a restart walks the same order. A pass's listing is compared
+with the last pass's: the shards holding rows of an object rewritten in between are retired for good
+(``Ledger.retire_rewritten``), so the cache never keeps serving a version the remote replaced.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from typing import overload
 
+from epochcache.cache.layout import CacheLayout
 from epochcache.cache.ledger import Ledger
 from epochcache.config import Config
 from epochcache.errors import FetchFailedError
@@ -47,10 +50,11 @@ Item = tuple[Stream | None, Unit | None, MixCursor]
 class Walk:
     """Walks ``streams`` from a position; see the module docstring."""
 
-    def __init__(self, config: Config, ledger: Ledger, streams: Sequence[Stream], pool: Executor,
+    def __init__(self, config: Config, layout: CacheLayout, ledger: Ledger, streams: Sequence[Stream], pool: Executor,
                  retrier: Retrier, claims: Claims, skips: SkipBook, vitals: Vitals, stop: threading.Event,
                  once: bool) -> None:
         self.config, self.ledger, self.streams, self.pool, self.vitals = config, ledger, streams, pool, vitals
+        self._layout = layout  # (where the shards of rewritten objects are deleted: see _list)
         self.retrier, self.claims, self.skips, self.stop, self.once = retrier, claims, skips, stop, once
 
     def merged(self, position: MixCursor) -> Iterator[Item]:
@@ -204,10 +208,25 @@ class Walk:
         return None
 
     def _list(self, stream: Stream, pass_: int) -> PagedListing:
-        kept = (self.ledger.daemon.listing(stream.name) or {}).get(CACHED_PER_LISTED)
-        header = {"order": stream_order(self.config, stream), "pass": pass_, CACHED_PER_LISTED: kept}
+        """A fresh listing for pass ``pass_``; shards holding rows of objects rewritten since the last
+        listing are retired (``Ledger.retire_rewritten``), so this pass reads their new version."""
+        last = self.ledger.daemon.listing(stream.name) or {}
+        header = {"order": stream_order(self.config, stream), "pass": pass_,
+                  CACHED_PER_LISTED: last.get(CACHED_PER_LISTED)}
+        if last.get("count") is not None:  # a whole listing (not one cut short, retried here) to compare with
+            self.ledger.daemon.keep_previous_listing(stream.name)
         listing = store_listing(self.ledger, stream.source.scan_objects(), header, stream.name)
         log.info("listed %d objects under %s for pass %d", len(listing), stream.source.url, pass_)
+        rewritten = self.ledger.daemon.rewritten(stream.name)
+        if rewritten:
+            removed, held = self.ledger.retire_rewritten(rewritten)
+            for record in removed:  # (their records are gone first: see the ledger's invariants)
+                self._layout.remove(record.filename)
+            log.warning("%d objects under %s were rewritten since the last pass (e.g. %s): this pass reads them "
+                        "again; %d shards holding their old rows deleted, %d more leave the epochs to come and "
+                        "are deleted once no epoch holds them", len(rewritten), stream.source.url, rewritten[0],
+                        len(removed), held)
+        self.ledger.daemon.drop_previous_listing(stream.name)
         return listing
 
 
