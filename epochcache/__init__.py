@@ -32,6 +32,7 @@ from epochcache.errors import (
     LedgerFullError,
     LoaderError,
     ObjectMissingError,
+    OversizeUnitError,
     ShardCorruptError,
     SourceError,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "LoaderConfig",
     "LoaderError",
     "ObjectMissingError",
+    "OversizeUnitError",
     "Repairs",
     "SamplerConfig",
     "ShardCorruptError",

@@ -9,7 +9,8 @@
     │   └── ObjectMissingError      a listed object is gone, or changed since it was listed: skipped
     ├── FetchFailedError            a remote read kept failing with transient errors (retried later)
     ├── CorruptObjectError          a remote object's bytes are bad (damaged metadata or payload, a
-    │                               checksum mismatch, a member too large): the unit is skipped, reported
+    │   │                           checksum mismatch, a member too large): the unit is skipped, reported
+    │   └── OversizeUnitError       a unit larger than the budget can hold as one shard: skipped, never retried
     ├── CacheError                  the local cache cannot do what was asked
     │   ├── BudgetError             cache.max_bytes cannot hold what it must
     │   ├── DaemonRunningError      another sync daemon already owns the cache dir
@@ -52,6 +53,12 @@ class CorruptObjectError(EpochcacheError):
     """A remote object (or one unit of it) is unreadable or fails a checksum the format or the store
     offers. Retried like a transient error (bytes flip in transit); when every attempt fails the unit
     is skipped with this reason and the pass goes on. Never fatal to the daemon."""
+
+
+class OversizeUnitError(CorruptObjectError):
+    """A unit (a row group, say) holds more bytes than ``cache.max_bytes`` can hold as one shard (a
+    unit is the smallest piece a shard holds). Skipped with this reason, not read again: no retry
+    makes it smaller. Only a larger budget, or the remote written in smaller units, brings it in."""
 
 
 class CacheError(EpochcacheError):

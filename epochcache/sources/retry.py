@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import tenacity
 
-from epochcache.errors import CorruptObjectError, FetchFailedError, SourceError
+from epochcache.errors import CorruptObjectError, FetchFailedError, OversizeUnitError, SourceError
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ class TruncatedReadError(OSError):
 def is_transient(exc: BaseException) -> bool:
     """True for failures another attempt may cure; False for permanent ones (and our own errors but
     :class:`CorruptObjectError`: bytes damaged in transit read right the next time)."""
+    if isinstance(exc, OversizeUnitError):  # (its size is what it is, read after read)
+        return False
     if isinstance(exc, CorruptObjectError):
         return True
     if isinstance(exc, (SourceError, FileNotFoundError, PermissionError, IsADirectoryError)):

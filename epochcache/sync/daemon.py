@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from epochcache.cache.columns import shaped
 from epochcache.cache.layout import CacheLayout
-from epochcache.cache.ledger import Ledger, ShardRecord
+from epochcache.cache.ledger import PUBLISH_GROWTH, Ledger, ShardRecord
 from epochcache.cache.ledger_schema import Connect, connect
 from epochcache.cache.lockfile import exclusive
 from epochcache.cache.publisher import Publisher
@@ -116,7 +116,11 @@ class SyncDaemon:
                     return SyncReport()  # stopped before it began
                 timeout = self.config.sampler.request_timeout_s
                 largest = int(self.config.sampler.max_sample_bytes)
-                streams = [Stream(cfg, open_source(cfg, timeout, largest)) for cfg in self.config.sources]
+                # (the ledger's share is taken at the start: it grows a little as the cache fills, and
+                # the publisher's own check stays the last word)
+                unit_room = int(self.config.cache.max_bytes) - ledger.disk_bytes() - PUBLISH_GROWTH
+                streams = [Stream(cfg, open_source(cfg, timeout, largest), largest_unit=unit_room)
+                           for cfg in self.config.sources]
                 return _Run(self, ledger, streams, stop, once).execute()
             finally:
                 ledger.close()

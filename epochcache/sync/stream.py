@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from epochcache.config import SourceConfig
-from epochcache.errors import CorruptObjectError
+from epochcache.errors import CorruptObjectError, OversizeUnitError
 from epochcache.sources import Source, Unit
 from epochcache.sync.slicing import Slicer
 
@@ -37,6 +37,7 @@ class Stream:
     node_bytes: int | None = None  # this node's share of the current pass's listed bytes
     objects_counted: int = 0  # objects whose metadata told their rows, and those rows
     rows_counted: int = 0
+    largest_unit: int | None = None  # the most bytes a unit may hold: one shard within the budget
 
     @property
     def name(self) -> str:
@@ -44,11 +45,25 @@ class Stream:
 
     def read(self, unit: Unit) -> pa.Table:
         """All the unit's rows, as read (its slice is cut by :class:`~epochcache.sync.intake.Intake`);
-        raises :class:`CorruptObjectError` for a unit of 0 rows (skipped: a shard never holds 0 rows)."""
+        raises :class:`CorruptObjectError` for a unit of 0 rows (skipped: a shard never holds 0 rows),
+        :class:`OversizeUnitError` for one over ``largest_unit`` bytes: by its metadata's estimate
+        before it is fetched, else by its rows once read."""
+        if self.largest_unit is not None and unit.nbytes > self.largest_unit:
+            raise self._oversize(unit, unit.nbytes, "by its metadata")
         table = self.source.read(unit)
         if table.num_rows == 0:
             raise CorruptObjectError(f"{unit.key} holds 0 rows")
+        if self.largest_unit is not None and table.nbytes > self.largest_unit:
+            raise self._oversize(unit, table.nbytes, "read")
         return table
+
+    def _oversize(self, unit: Unit, nbytes: int, how: str) -> OversizeUnitError:
+        return OversizeUnitError(
+            f"{unit.key} holds {nbytes} bytes ({how}), more than one shard may within cache.max_bytes "
+            f"({self.largest_unit} bytes with the ledger's share): skipped; raise cache.max_bytes, or write the "
+            "remote in smaller units (Parquet row groups, Arrow record batches)"
+        )
+
 
     def rows_of(self, unit: Unit) -> int:
         """The unit's rows from metadata, else estimated from its bytes (1 before any read) and
