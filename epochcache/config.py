@@ -183,6 +183,11 @@ class SamplerConfig(_Section):
 
     seed: int = Field(default=0, ge=0)
     concurrency: int = Field(default=8, ge=1, le=256, description="remote reads in flight")
+    max_inflight_bytes: ByteSize = Field(
+        default=ByteSize(256 * 2**20), gt=0,
+        description="most bytes of units (by their metadata's size) read or being read but not yet in a "
+        "shard, with concurrency; a larger unit is read alone",
+    )
     max_bytes_per_s: ByteSize | None = Field(
         default=None, gt=0, description="cap on the daemon's intake (decoded Arrow bytes/s); null = none"
     )

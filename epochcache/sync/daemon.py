@@ -181,8 +181,8 @@ class _Run:
                                       self.stop)
             walk = Walk(self.cfg, self.daemon.layout, self.ledger, self.streams, pool, self.retrier, self.claims,
                         self.skips, self.vitals, self.stop, self.once)
-            window = FetchWindow(pool, self.retrier, self.claims, self.skips, self.intake,
-                                 self.cfg.sampler.concurrency, self._first_shard_pending, self.stop)
+            window = FetchWindow(pool, self.retrier, self.claims, self.skips, self.intake, self.cfg.sampler.concurrency,
+                                 int(self.cfg.sampler.max_inflight_bytes), self._first_shard_pending, self.stop)
             try:
                 # closing(): the window cancels its queued reads here, before the pool is joined.
                 with closing(window.fetched(walk.merged(position))) as fetched:

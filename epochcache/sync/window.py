@@ -29,31 +29,39 @@ _Slot = tuple[Stream | None, Unit | None, MixCursor, Future[pa.Table] | None]
 
 
 class FetchWindow:
-    """Keeps up to ``concurrency`` units in flight (one while ``first_shard()``: an empty cache's
-    first unit, and its shard's write, then have the machine to themselves); a pause of the walk
-    drains the window.
+    """Keeps up to ``concurrency`` units in flight, and units of at most ``most_bytes`` together by
+    their metadata's size (a larger one alone); one while ``first_shard()``: an empty cache's first
+    unit, and its shard's write, then have the machine to themselves. A pause of the walk drains the
+    window.
 
     A unit counts from its submission until the daemon takes its rows, so a read that finished out
     of order still holds its slot: the daemon's memory holds at most ``concurrency`` units' tables
-    (plus the shard being built), however slow the head of the window is."""
+    and about ``most_bytes`` of them (plus the shard being built), however slow the head of the
+    window is and however large the remote's units are."""
 
-    def __init__(self, pool: Executor, retrier: Retrier, claims: Claims, skips: SkipBook,
-                 intake: Intake, concurrency: int, first_shard: Callable[[], bool], stop: threading.Event) -> None:
+    def __init__(self, pool: Executor, retrier: Retrier, claims: Claims, skips: SkipBook, intake: Intake,
+                 concurrency: int, most_bytes: int, first_shard: Callable[[], bool], stop: threading.Event) -> None:
         self.pool, self.retrier, self.claims, self.skips, self.intake = pool, retrier, claims, skips, intake
-        self.full, self.first_shard, self.stop = concurrency, first_shard, stop
+        self.full, self.most_bytes, self.first_shard, self.stop = concurrency, most_bytes, first_shard, stop
 
     def fetched(self, walk: Iterator[Item]) -> Generator[Fetched, None, None]:
         """Yield walk items in order with their table; unread futures are cancelled on the way out."""
         window: deque[_Slot] = deque()
+        held = 0  # the metadata's bytes of the units in the window being read or read
         try:
             for stream, unit, after in walk:
                 future = None
                 if stream is not None and unit is not None and not self.claims.taken(unit.key):
+                    while window and held + unit.nbytes > self.most_bytes:  # room first, by taking the head
+                        held -= _bytes(window[0])
+                        yield self._complete(*window.popleft())
                     self.claims.claim(unit.key)
                     future = self.pool.submit(self.retrier.call, stream.read, unit, what=unit.key)
+                    held += unit.nbytes
                 window.append((stream, unit, after, future))
                 limit = 1 if self.first_shard() else self.full
                 while len(window) >= limit or (window and (window[0][3] is None or stream is None)):
+                    held -= _bytes(window[0])
                     yield self._complete(*window.popleft())
                 if self.stop.is_set():
                     return
@@ -76,3 +84,9 @@ class FetchWindow:
             self.skips.skip(stream, after.cursors[stream.name].pass_, unit.key, unit.obj, unit.index, exc)
             return stream, unit, after, None
         return stream, unit, after, self.intake.take(stream, unit, table)
+
+
+def _bytes(slot: _Slot) -> int:
+    """The bytes a window slot counts: its unit's, while it is read or held (none for a unit cached)."""
+    _, unit, _, future = slot
+    return unit.nbytes if unit is not None and future is not None else 0

@@ -11,6 +11,7 @@ from typing import Any
 import fsspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 from conftest import write_parquet_dataset
 
 import epochcache.sync.daemon as daemon_module
@@ -81,3 +82,39 @@ def test_a_shards_rows_are_not_copied_into_the_default_pool() -> None:
 
     assert rows.column("x").num_chunks == 1 and rows.column("x").to_numpy().tolist() == list(range(100_000))
     assert default.bytes_allocated() - default_before < rows.nbytes
+
+
+def test_units_held_stay_within_max_inflight_bytes_when_the_units_are_large(
+    tmp_path: Path, make_config: Callable[..., Config], monkeypatch: Any
+) -> None:
+    root = tmp_path / "remote"
+    write_parquet_dataset(fsspec.filesystem("file"), str(root), FILES, GROUPS * ROWS_PER_GROUP, ROWS_PER_GROUP)
+    unit_bytes = pq.read_metadata(root / "part-000.parquet").row_group(0).total_byte_size
+    config = make_config(str(root), **{"cache.max_bytes": "50MB", "cache.shard_bytes": "200KB",
+                                       "sampler.concurrency": 8, "sampler.max_inflight_bytes": int(2.5 * unit_bytes)})
+    lock = threading.Lock()
+    counts = {"held": 0, "most": 0}
+    open_source = daemon_module.open_source
+
+    def open_counted(*args: Any) -> Any:
+        source = open_source(*args)
+        read = source.read
+
+        def counted_read(unit: Any) -> pa.Table:
+            with lock:
+                counts["held"] += 1
+                counts["most"] = max(counts["most"], counts["held"])
+            return read(unit)
+
+        monkeypatch.setattr(source, "read", counted_read)
+        return source
+
+    def taken(unit: Any) -> None:
+        with lock:
+            counts["held"] -= 1
+
+    monkeypatch.setattr(daemon_module, "open_source", open_counted)
+    report = SyncDaemon(config, progress=False, on_fetch=taken).run(once=True)
+
+    assert report.reason is StopReason.EXHAUSTED and report.units_published == FILES * GROUPS
+    assert counts["most"] == 2, f"held at most {counts['most']} units of {unit_bytes} bytes under a cap of 2.5 units"
