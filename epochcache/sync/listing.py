@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, overload
 
 from epochcache.cache.ledger import Ledger
@@ -67,10 +67,12 @@ class PagedListing(Sequence[RemoteObject]):
 
 
 def store_listing(
-    ledger: Ledger, pages: Iterator[list[RemoteObject]], header: dict[str, Any], stream: str = ""
+    ledger: Ledger, pages: Iterator[list[RemoteObject]], header: dict[str, Any], stream: str = "",
+    listed: Callable[[int], None] | None = None,
 ) -> PagedListing:
     """Write ``pages`` into the ledger as ``stream``'s listing as they arrive, then its header
-    (``header`` plus ``count``, the page ``starts`` and the objects' total ``bytes``); return the listing over them."""
+    (``header`` plus ``count``, the page ``starts`` and the objects' total ``bytes``); return the listing
+    over them. ``listed(count)`` is told the objects listed so far after each page (progress)."""
     ledger.daemon.set_listing(stream, {**header, "count": None})
     ledger.daemon.drop_listing_pages(stream)
     starts, count, nbytes = [], 0, 0
@@ -79,5 +81,7 @@ def store_listing(
         starts.append(count)
         count += len(page)
         nbytes += sum(obj.size for obj in page)
+        if listed is not None:
+            listed(count)
     ledger.daemon.set_listing(stream, {**header, "count": count, "starts": starts, "bytes": nbytes})
     return PagedListing(ledger, starts, count, stream, nbytes)

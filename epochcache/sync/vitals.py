@@ -2,7 +2,8 @@
 
 Out (``ledger.daemon.update_status``): ``started`` (epoch seconds), ``settings`` (budget, shard size,
 sources without their storage options, concurrency, rate limit), ``fetched_bytes`` and
-``fetch_bytes_per_s`` (over the last interval), ``last_error`` / ``last_error_at``: the first failure
+``fetch_bytes_per_s`` (over the last interval), ``listing`` (while a listing runs: its url, the
+objects listed so far and since when), ``last_error`` / ``last_error_at``: the first failure
 of the current outage ("remote unreachable since 12:03:11: <one line>"), cleared once a read works
 again; and the ledger's ``fetched_bytes`` counter (every run's). Writes are at most one per
 ``interval_s`` while fetching, so the ledger is not a hot path.
@@ -10,6 +11,7 @@ again; and the ledger's ``fetched_bytes`` counter (every run's). Writes are at m
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -19,6 +21,9 @@ from typing import Any
 from epochcache.cache.ledger import Ledger
 from epochcache.config import Config
 from epochcache.sync.notes import note
+
+log = logging.getLogger(__name__)
+_LISTING_LOG_S = 10.0
 
 
 def settings_of(config: Config, once: bool) -> dict[str, Any]:
@@ -49,6 +54,7 @@ class Vitals:
         self._failing_since: float | None = None
         self._fields: dict[str, Any] = {}
         self._lock = threading.Lock()  # retries are reported from the fetch threads
+        self._logged = clock()  # when a listing's progress was last logged
 
     def start(self, settings: dict[str, Any]) -> None:
         now = self.clock()
@@ -92,6 +98,24 @@ class Vitals:
         self._fields |= {"last_error": f"{what} since {since}: {line}", "last_error_at": now}
         if write:
             self._write(now)
+
+    def listing(self, url: str | None, objects: int = 0) -> None:
+        """A listing of ``url`` is under way, ``objects`` listed so far (written at its first page,
+        then at most once per interval, and logged every :data:`_LISTING_LOG_S`: a remote of millions of
+        objects takes minutes to list); ``url`` None: it is done."""
+        with self._lock:
+            now = self.clock()
+            if url is None:
+                self._fields["listing"] = None
+                self._write(now)
+                return
+            before = self._fields.get("listing")
+            self._fields["listing"] = {"url": url, "objects": objects, "since": (before or {}).get("since", now)}
+            if now - self._logged >= _LISTING_LOG_S:
+                self._logged = now
+                log.info("listing %s: %d objects so far", url, objects)
+            if before is None or now - self._mark[0] >= self.interval_s:  # (its first page at once)
+                self._write(now)
 
     def flush(self) -> None:
         """Write the counts now (at each shard, and at the end of a run)."""

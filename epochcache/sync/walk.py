@@ -215,7 +215,12 @@ class Walk:
                   CACHED_PER_LISTED: last.get(CACHED_PER_LISTED)}
         if last.get("count") is not None:  # a whole listing (not one cut short, retried here) to compare with
             self.ledger.daemon.keep_previous_listing(stream.name)
-        listing = store_listing(self.ledger, stream.source.scan_objects(), header, stream.name)
+        url = stream.source.url
+        try:
+            listing = store_listing(self.ledger, stream.source.scan_objects(), header, stream.name,
+                                    lambda objects: self.vitals.listing(url, objects))
+        finally:
+            self.vitals.listing(None)
         log.info("listed %d objects under %s for pass %d", len(listing), stream.source.url, pass_)
         rewritten = self.ledger.daemon.rewritten(stream.name)
         if rewritten:

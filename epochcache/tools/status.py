@@ -137,7 +137,8 @@ def human_bytes(n: int) -> str:
 
 def daemon_status(layout: CacheLayout, state: dict[str, Any] | None, now: float) -> dict[str, Any]:
     """The daemon as JSON: ``running``, ``pid``, ``state``, ``in_state_s``, ``uptime_s``,
-    ``last_error`` / ``last_error_at``, ``fetch_bytes_per_s``, ``units_unread``, ``settings`` (masked)
+    ``last_error`` / ``last_error_at``, ``fetch_bytes_per_s``, ``units_unread``, ``listing`` (a listing
+    under way: url, objects so far, since), ``settings`` (masked)
     and a one-line ``summary``. Every recorded key is read
     with ``.get``: a daemon of another version may record fewer."""
     pid = holder(layout.lock)
@@ -157,6 +158,7 @@ def daemon_status(layout: CacheLayout, state: dict[str, Any] | None, now: float)
         "fetched_bytes": fetched,
         "fetch_bytes_per_s": round(fetched / uptime) if uptime and isinstance(fetched, (int, float)) else None,
         "units_unread": state.get("units_unread"),
+        "listing": state.get("listing") if ours else None,
         "settings": redact(state.get("settings") or {}),
     }
     out["summary"] = _summary(out, state)
@@ -186,6 +188,11 @@ def _daemon_rows(daemon: dict[str, Any]) -> list[tuple[str, str]]:
                      + (f" ({human_bytes(rate)}/s since start)" if rate is not None else "")))
     if daemon["units_unread"]:
         rows.append(("units unread", f"{daemon['units_unread']} (skipped, not yet read again)"))
+    listing = daemon["listing"]
+    if isinstance(listing, dict):
+        since = datetime.fromtimestamp(listing["since"]).strftime("%H:%M:%S") if "since" in listing else "?"
+        rows.append(("listing", f"{listing.get('objects', 0):,} objects so far under {listing.get('url')} "
+                                f"(since {since})"))
     # The text shows the daemon's own sections; --json has every recorded setting (secrets masked).
     shown = {k: v for k, v in _flat(daemon["settings"]).items() if k.startswith(("cache.", "sampler."))}
     if shown:
