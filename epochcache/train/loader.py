@@ -112,7 +112,7 @@ class EpochCachedLoader:
             )
         self._ledger = Ledger(self._layout.ledger)
         self._commits = CommitMarks(self._ledger.path)  # (the ledger's connection, just opened, made its WAL index)
-        self._peers = Peers.discover(self._layout.root)
+        self._peers = Peers.discover(self._layout.root, self._ledger)
         self._owner = f"{socket.gethostname()}:{os.getpid()}"
         if self.config.fixed_malloc_thresholds:
             keep_large_allocations()
