@@ -6,9 +6,10 @@ argv: a JSON plan file, the output dir. The plan: ``caches`` (a cache dir per no
 ``late_s`` (seconds a rank waits before building its loader, by rank), ``kill_at`` (``[rank, epoch,
 batch]``: that rank SIGKILLs itself after taking that batch; ``[rank, -1, 0]``: before building its
 loader), ``stop_after`` (batches of epoch 0 after which every rank saves its ``state_dict`` and
-stops), ``resume`` (a dir of saved states: each rank loads its own). No DDP model: the loader's own
-collectives are under test, and a rank with fewer batches shows in the counts. Writes
-``rank<R>.json``: per epoch the batches' ids, the batch count and the snapshot, the seconds the
+stops), ``leave_after`` (batches after which every rank leaves each epoch), ``loader_by_rank`` (a
+rank's own loader arguments), ``resume`` (a dir of saved states: each rank loads its own). No DDP
+model: the loader's own collectives are under test, and a rank with fewer batches shows in the
+counts. Writes ``rank<R>.json``: per epoch the batches' ids, the batch count and the snapshot, the seconds the
 loader ran, and ``error`` if it raised.
 """
 
@@ -46,7 +47,8 @@ def main(plan_path: str, out_dir: str) -> None:
     record: dict[str, Any] = {"epochs": []}
     started = time.monotonic()
     try:
-        with EpochCachedLoader(cache, transform=transform, progress=False, **plan["loader"]) as loader:
+        settings = {**plan["loader"], **plan.get("loader_by_rank", {}).get(str(rank), {})}
+        with EpochCachedLoader(cache, transform=transform, progress=False, **settings) as loader:
             if plan.get("resume"):
                 loader.load_state_dict(torch.load(Path(plan["resume"], f"state{rank}.pt")))
             for epoch in range(plan["epochs"]):
@@ -55,6 +57,8 @@ def main(plan_path: str, out_dir: str) -> None:
                     batches.append(batch["id"].tolist())
                     if plan.get("kill_at") == [rank, epoch, len(batches)]:
                         os.kill(os.getpid(), signal.SIGKILL)
+                    if plan.get("leave_after") == len(batches):
+                        break
                     if plan.get("stop_after") == len(batches) and epoch == 0:
                         torch.save(loader.state_dict(), Path(out_dir, f"state{rank}.pt"))
                         break

@@ -160,3 +160,19 @@ def test_ranks_resuming_at_different_batches_are_refused_on_every_rank(
     for rank in (0, 1):
         assert "rank 0: epoch 0 from batch 3, rank 1: epoch 0 from batch 2" in records[rank].get("error", ""), \
             records[rank]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ranks_leaving_each_epoch_early_after_preparing_the_next_at_different_points(
+    tmp_path: Path, node_cache: Callable[[str, int, int], str], workers: int,
+) -> None:
+    """Rank 0 prepares the next epoch at its 2nd batch (so its prepared epoch outlives the left one),
+    rank 1 at its last (never, as it leaves at the 5th): each agreement still pairs with the other's."""
+    records = _run(tmp_path, "run", [node_cache("a", 3, 101)], 2, {"batch_size": BATCH, "num_workers": workers}, 3,
+                   transform=bool(workers), leave_after=5,
+                   loader_by_rank={"0": {"prepare_next_at": 0.3}, "1": {"prepare_next_at": 1.0}})
+    _ok(records)
+    for epoch in range(3):
+        assert [len(records[r]["epochs"][epoch]["ids"]) for r in range(2)] == [5, 5]
+        assert not set(_seen(records[0], epoch)) & set(_seen(records[1], epoch))
