@@ -20,7 +20,7 @@ import torch
 from conftest import write_parquet_dataset
 from dist_launch import launch
 
-from epochcache import SyncDaemon
+from epochcache import EpochCachedLoader, SyncDaemon
 from epochcache.config import load_config
 
 BATCH = 16
@@ -152,11 +152,16 @@ def test_each_rank_resumes_exactly_its_unseen_batches(
 def test_ranks_resuming_at_different_batches_are_refused_on_every_rank(
     tmp_path: Path, node_cache: Callable[[str, int, int], str],
 ) -> None:
-    cache, loader = node_cache("a", 2, 100), {"batch_size": BATCH}
-    _ok(_run(tmp_path, "first", [cache], 2, loader, 1, stop_after=3))
-    state_path = tmp_path / "first" / "state1.pt"
-    torch.save({**torch.load(state_path), "position": 2}, state_path)  # rank 1 resumes a batch earlier
-    records = _run(tmp_path, "second", [cache], 2, loader, 1, resume=str(tmp_path / "first"))
+    cache, states = node_cache("a", 2, 100), tmp_path / "states"
+    states.mkdir()
+    with EpochCachedLoader(cache, batch_size=BATCH, progress=False) as alone:  # the node's snapshot: every shard
+        for number, _ in enumerate(alone, start=1):
+            if number == 3:
+                break
+        state = alone.state_dict()
+    torch.save(state, states / "state0.pt")
+    torch.save({**state, "position": 2}, states / "state1.pt")  # rank 1 resumes a batch earlier
+    records = _run(tmp_path, "run", [cache], 2, {"batch_size": BATCH}, 1, resume=str(states))
     for rank in (0, 1):
         assert "rank 0: epoch 0 from batch 3, rank 1: epoch 0 from batch 2" in records[rank].get("error", ""), \
             records[rank]
