@@ -7,10 +7,12 @@ argv: a JSON plan file, the output dir. The plan: ``caches`` (a cache dir per no
 batch]``: that rank SIGKILLs itself after taking that batch; ``[rank, -1, 0]``: before building its
 loader), ``stop_after`` (batches of epoch 0 after which every rank saves its ``state_dict`` and
 stops), ``leave_after`` (batches after which every rank leaves each epoch), ``loader_by_rank`` (a
-rank's own loader arguments), ``resume`` (a dir of saved states: each rank loads its own). No DDP
-model: the loader's own collectives are under test, and a rank with fewer batches shows in the
-counts. Writes ``rank<R>.json``: per epoch the batches' ids, the batch count and the snapshot, the seconds the
-loader ran, and ``error`` if it raised.
+rank's own loader arguments), ``quarantine_at`` (``[rank, epoch, batch]``: that rank quarantines its
+cache's first shard after taking that batch, once the next epoch is prepared), ``resume`` (a dir of
+saved states: each rank loads its own). No DDP model: the loader's own collectives are under test,
+and a rank with fewer batches shows in the counts. Writes ``rank<R>.json``: per epoch the batches'
+ids, the batch count, the snapshot and whether it was prepared ahead, the seconds the loader ran,
+and ``error`` if it raised.
 """
 
 from __future__ import annotations
@@ -27,12 +29,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from epochcache import EpochCachedLoader
+from epochcache import EpochCachedLoader, Ledger
+from epochcache.cache.layout import CacheLayout
+from epochcache.cache.quarantine import quarantine_shard
 
 
 def add_one(batch: dict[str, Any]) -> dict[str, Any]:
     """A transform that a worker process runs: ids are passed through, images touched."""
     return {"id": batch["id"], "image": batch["image"].float() + 1}
+
+
+def quarantine_one(cache: str, loader: EpochCachedLoader) -> None:
+    """Quarantine the cache's first shard, as the verifier does with a damaged one, once ``loader`` has
+    built its next epoch ahead (white-box: the turnover's future), so that epoch holds the shard."""
+    deadline = time.monotonic() + 30
+    while not (loader._turnover.next is not None and loader._turnover.next[1].done()):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the next epoch was not prepared ahead within 30 s")
+        time.sleep(0.01)
+    layout = CacheLayout(Path(cache))
+    ledger = Ledger(layout.ledger)
+    try:
+        quarantine_shard(layout, ledger, ledger.shards()[0], "quarantined by the test")
+    finally:
+        ledger.close()
 
 
 def main(plan_path: str, out_dir: str) -> None:
@@ -57,6 +77,8 @@ def main(plan_path: str, out_dir: str) -> None:
                     batches.append(batch["id"].tolist())
                     if plan.get("kill_at") == [rank, epoch, len(batches)]:
                         os.kill(os.getpid(), signal.SIGKILL)
+                    if plan.get("quarantine_at") == [rank, epoch, len(batches)]:
+                        quarantine_one(cache, loader)
                     if plan.get("leave_after") == len(batches):
                         break
                     if plan.get("stop_after") == len(batches) and epoch == 0:
@@ -64,7 +86,8 @@ def main(plan_path: str, out_dir: str) -> None:
                         break
                 info = loader.last_epoch
                 record["epochs"].append({"epoch": info.epoch, "batches": info.batches, "ids": batches,
-                                         "snapshot": info.snapshot, "samples": info.samples})
+                                         "snapshot": info.snapshot, "samples": info.samples,
+                                         "ahead": info.prepared_ahead})
                 if plan.get("stop_after"):
                     break
     except Exception as exc:  # the test reads what each surviving rank saw, and how soon

@@ -2,7 +2,8 @@
 
 Ranks that name the same cache directory on the same host form a *node*: they share one cache and
 must read one snapshot, each a disjoint part of its order. Every rank of the job must get the same
-number of batches, from the same epoch and the same resumed position. These agreements are
+number of batches, from the same epoch and the same resumed position; when one rank must build an
+epoch prepared ahead again (a shard quarantined since), every rank does. These agreements are
 collective calls on a gloo group of the loader's own, so they never interleave with the training's
 collectives (which may run on NCCL, from another thread). The group waits as long as the job's
 default group does (``init_process_group(timeout=...)``, torch's 30 minutes if none was given): a
@@ -106,6 +107,16 @@ class Peers:
                 "iterate (or leave) each epoch at the same batch"
             )
         return min(int(t[1]) for t in every)
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of the job (an all-reduce MAX): whether every rank must
+        build its next epoch again, because one must."""
+        if not self.distributed:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int64)
+        self._agree("agreeing whether an epoch prepared ahead is built again",
+                    lambda: dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group))
+        return bool(value.item())
 
     def _agree(self, what: str, collective: Callable[[], T]) -> T:
         """``collective``'s result; a :class:`LoaderError` saying ``what`` failed if a rank never joined."""

@@ -181,3 +181,20 @@ def test_ranks_leaving_each_epoch_early_after_preparing_the_next_at_different_po
     for epoch in range(3):
         assert [len(records[r]["epochs"][epoch]["ids"]) for r in range(2)] == [5, 5]
         assert not set(_seen(records[0], epoch)) & set(_seen(records[1], epoch))
+
+
+def test_a_shard_quarantined_on_one_node_rebuilds_the_prepared_epoch_on_every_rank(
+    tmp_path: Path, node_cache: Callable[[str, int, int], str],
+) -> None:
+    """Node 0's rank quarantines a shard after both nodes prepared epoch 1 ahead: node 0 must build it
+    again, and so must node 1, or node 0's agreements would pair with node 1's next epoch's (the old
+    code: a LoaderError, ranks disagreeing on the epoch, or a hang)."""
+    caches = [node_cache("a", 2, 100), node_cache("b", 2, 100)]
+    records = _run(tmp_path, "run", caches, 1, {"batch_size": BATCH, "prepare_next_at": 0.1}, 3,
+                   quarantine_at=[0, 0, 4])
+    _ok(records)
+    for epoch in range(3):
+        assert [len(records[r]["epochs"][epoch]["ids"]) for r in (0, 1)] == [records[0]["epochs"][epoch]["batches"]] * 2
+    assert [e["ahead"] for e in records[0]["epochs"]] == [False, False, True], "epoch 1 was built again"
+    assert records[1]["epochs"][1]["ahead"] is False, "on node 1 too"
+    assert records[0]["epochs"][1]["snapshot"] != records[0]["epochs"][0]["snapshot"], "without the shard"
