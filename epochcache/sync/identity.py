@@ -40,6 +40,20 @@ def stream_order(config: Config, stream: Stream) -> list[object]:
     return order + [sampler.row_fraction] if sampler.row_fraction != 1 else order
 
 
+def recorded_splits(ledger: Ledger) -> list[tuple[str, int, int, int]]:
+    """How the daemon that filled this cache split each of its remotes among nodes, as its listings
+    recorded it (:func:`stream_order`): ``(source url, sampler seed, node_rank, num_nodes)`` per
+    source listed so far; empty before the daemon's first listing."""
+    cursor = ledger.daemon.cursor() or {}
+    names = list(cursor["streams"]) if "streams" in cursor else [""]
+    splits = []
+    for name in names:
+        order = (ledger.daemon.listing(name) or {}).get("order")
+        if order and order[0] == "v2":
+            splits.append((str(order[1]), int(order[5]), int(order[7]), int(order[8])))
+    return splits
+
+
 def resume_position(config: Config, ledger: Ledger, streams: Sequence[Stream]) -> MixCursor:
     """Where to go on from: the ledger's cursor, each stream's afresh if it was left by another
     remote order."""

@@ -283,7 +283,7 @@ class EpochBuilder:
         order = epoch_order(sum(shard_rows), cfg.seed, epoch, cfg.shuffle, cfg.epoch_samples, cfg.replacement,
                             shard_rows, window)
         part = rank_part(order, peers.local_rank, peers.local_world)
-        count = peers.fewest_batches(batch_count(len(part), cfg.batch_size, cfg.drop_last))
+        count = peers.agreed_batches(epoch, batch_count(len(part), cfg.batch_size, cfg.drop_last), start)
         return EpochBatches(part, cfg.batch_size, count, start)
 
 

@@ -112,7 +112,7 @@ class EpochCachedLoader:
             )
         self._ledger = Ledger(self._layout.ledger)
         self._commits = CommitMarks(self._ledger.path)  # (the ledger's connection, just opened, made its WAL index)
-        self._peers = Peers.discover(self._layout.root)
+        self._peers = Peers.discover(self._layout.root, self._ledger)
         self._owner = f"{socket.gethostname()}:{os.getpid()}"
         if self.config.fixed_malloc_thresholds:
             keep_large_allocations()
@@ -141,8 +141,8 @@ class EpochCachedLoader:
         self._leases = HeldLeases(self._ledger, self.config.lease_ttl_s)
         self._builder = EpochBuilder(self._layout, self._ledger, self._peers, self._leases, self._maps, self._owner,
                                      self._closed, self._clock, self._commits)
-        self._turnover = EpochTurnover(self._prepare, self._builder, self._leases, self._verifier, self._record,
-                                       self._closed, queued=bool(self._sources.workers))
+        self._turnover = EpochTurnover(self._prepare, self._builder, self._peers, self._leases, self._verifier,
+                                       self._record, self._closed, queued=bool(self._sources.workers))
 
     @classmethod
     def from_config(cls, path: str | os.PathLike[str], overrides: Any = (), **kwargs: Any) -> EpochCachedLoader:

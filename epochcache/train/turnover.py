@@ -1,7 +1,8 @@
 """EpochTurnover: the epochs on either side of the one being iterated.
 
 In: how to build an epoch (a function of epoch, whether ahead, and a resume point), the builder's
-checks of an epoch prepared ahead, the leases, the verifier and how to record an epoch. Out: the
+checks of an epoch prepared ahead, the ranks that build theirs alongside (:class:`Peers`), the
+leases, the verifier and how to record an epoch. Out: the
 next epoch, prepared ahead on a background thread (:meth:`EpochTurnover.prepare_ahead`) and taken
 at its start (:meth:`EpochTurnover.take`); the last one, retired (its batch source stopped, its
 lease released) on a cleanup thread once the next one's first batch is out
@@ -9,7 +10,9 @@ lease released) on a cleanup thread once the next one's first batch is out
 
 Invariants: at most one epoch is prepared ahead and one waits to be retired; an epoch prepared
 ahead is handed out only if still usable and no shard may have been quarantined since its snapshot
-(else it is finished and built again); every epoch built is finished (its lease released) exactly
+(else it is finished and built again, on every rank of a torch.distributed job alike: a build's
+agreements are collective calls, and a build on some ranks only would pair theirs with the other
+ranks' next epoch's); every epoch built is finished (its lease released) exactly
 once, by whoever drops it; once :meth:`EpochTurnover.close` returns, no thread of it runs.
 """
 
@@ -20,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from epochcache.cache.verifier import BackgroundVerifier
+from epochcache.train.distributed import Peers
 from epochcache.train.epochs import EpochBuilder, EpochInfo, PreparedEpoch
 from epochcache.train.leases import HeldLeases
 from epochcache.train.resume import Progress
@@ -31,17 +35,17 @@ Record = Callable[[PreparedEpoch, EpochInfo], None]
 
 class EpochTurnover:
     """The next epoch and the last one of a loader (see the module docstring). ``build`` makes an
-    epoch, ``builder`` rechecks one prepared ahead, ``leases`` releases a finished one's lease,
+    epoch, ``builder`` rechecks one prepared ahead, ``peers`` rebuild along, ``leases`` releases a finished one's lease,
     ``verifier`` (local rank 0 only) checksums an epoch's new shards after its first batch,
     ``record`` records a started epoch (on the cleanup thread), ``closed`` is set as the loader
     closes, ``queued``: the next epoch is queued on worker processes from the main thread
     (:meth:`start_if_built`) rather than starting itself."""
 
     def __init__(
-        self, build: Build, builder: EpochBuilder, leases: HeldLeases, verifier: BackgroundVerifier | None,
-        record: Record, closed: threading.Event, queued: bool,
+        self, build: Build, builder: EpochBuilder, peers: Peers, leases: HeldLeases,
+        verifier: BackgroundVerifier | None, record: Record, closed: threading.Event, queued: bool,
     ) -> None:
-        self._build, self._builder, self._leases, self._verifier = build, builder, leases, verifier
+        self._build, self._builder, self._peers, self._leases, self._verifier = build, builder, peers, leases, verifier
         self._record, self._closed, self._queued = record, closed, queued
         # the next epoch, being prepared (read on every batch: see EpochCachedLoader.__iter__)
         self.next: tuple[int, Future[PreparedEpoch]] | None = None
@@ -51,17 +55,21 @@ class EpochTurnover:
         self._cleanup_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-cleanup")
 
     def take(self, epoch: int, resume: Progress | None) -> PreparedEpoch:
-        """Epoch ``epoch``: the one prepared ahead if it is that one and still good to read, else built now."""
+        """Epoch ``epoch``: the one prepared ahead if it is that one and still good to read (on every
+        rank), else built now."""
         if resume is None and self.next is not None and self.next[0] == epoch:
             future = self.next[1]
             self.next = self.unstarted = None
             prepared = future.result()
             # A shard quarantined since its snapshot (the verifier found it damaged; its mapping
             # may still be open here) must not be read by an epoch that starts now: build it again.
-            if prepared.usable and not self._builder.quarantined_since(prepared):
-                return prepared
-            self.finish(prepared)  # its worker pool was closed by an epoch left early, or a shard left
-        self.drop()
+            stale = not prepared.usable or self._builder.quarantined_since(prepared)
+        else:
+            self.drop()
+            prepared, stale = self._build(epoch, False, resume), False
+        if not self._peers.any_rank(stale):
+            return prepared
+        self.finish(prepared)  # its worker pool was closed by an epoch left early, or a shard left (here or elsewhere)
         return self._build(epoch, False, resume)
 
     def drop(self) -> None:

@@ -22,6 +22,8 @@ from conftest import make_table
 from epochcache import Ledger, SyncDaemon
 from epochcache.cache.layout import CacheLayout
 from epochcache.config import load_config
+from epochcache.errors import LoaderError
+from epochcache.train.distributed import check_node_splits
 
 EPOCHS = 3
 TIMEOUT_S = 150
@@ -100,3 +102,19 @@ def test_two_nodes_two_ranks_each_equal_batches_disjoint_samples(tmp_path: Path)
         # once per epoch, whatever the node's ranks (the next epoch, prepared ahead before the loaders
         # closed, may count one more); a use per rank would give twice that
         assert uses <= {EPOCHS, EPOCHS + 1} and uses, f"node {node}: uses {uses} after {EPOCHS} epochs"
+
+
+def test_node_splits_are_refused_only_where_two_nodes_would_fetch_one_sample() -> None:
+    a, b, c = ("h1", "/c"), ("h2", "/c"), ("h3", "/c")
+    check_node_splits({a: [("s3://x", 0, 0, 2)], b: [("s3://x", 0, 1, 2)]})  # a proper split
+    check_node_splits({a: [("s3://x", 0, 0, 1)], b: [("s3://y", 0, 0, 1)]})  # different remotes
+    check_node_splits({a: [("s3://x", 0, 0, 2)], b: []})  # b's daemon has not listed yet: nothing to compare
+    for wrong, why in (
+        ({a: [("s3://x", 0, 0, 1)], b: [("s3://x", 0, 0, 1)]}, "h2:/c has sampler.node_rank=0, num_nodes=1"),
+        ({a: [("s3://x", 0, 0, 2)], b: [("s3://x", 0, 1, 3)]}, "h2:/c has sampler.node_rank=1, num_nodes=3"),
+        ({a: [("s3://x", 0, 0, 2)], b: [("s3://x", 5, 1, 2)]}, "h2:/c has sampler.node_rank=1, num_nodes=2, seed=5"),
+        ({a: [("s3://x", 0, 0, 3)], b: [("s3://x", 0, 1, 3)], c: [("s3://x", 0, 1, 3)]}, "h3:/c"),
+    ):
+        with pytest.raises(LoaderError, match="do not split s3://x") as caught:
+            check_node_splits(wrong)
+        assert why in str(caught.value)
