@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import sqlite3
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,15 +92,16 @@ class Ledger:
             self._migrate(legacy)
 
     @classmethod
-    def rebuild(cls, directory: str | Path, connect: Connect = connect) -> Ledger:
+    def rebuild(cls, directory: str | Path, connect: Connect = connect, progress: bool | None = None) -> Ledger:
         """A new ledger built from the shard files next to ``directory``; the old database (damaged, or
         of another version) is deleted: its bytes are not charged to the budget, and every shard's
-        record is in its file. Hold the cache's lock."""
+        record is in its file. Hold the cache's lock. Reads every file (``progress``: a bar, see
+        :mod:`epochcache.cache.progress`)."""
         folder = Path(directory)
         for name in (DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", LEGACY_DB_NAME):
             (folder / name).unlink(missing_ok=True)
         ledger = cls(folder, connect)
-        ledger._adopt_files("rebuilt the ledger")
+        ledger._adopt_files("rebuilt the ledger", progress)
         return ledger
 
     def _migrate(self, legacy: Path) -> None:
@@ -108,8 +109,8 @@ class Ledger:
         for name in (LEGACY_DB_NAME, "cache.db-journal", "cache.db-wal", "cache.db-shm"):
             (self._dir / name).unlink(missing_ok=True)
 
-    def _adopt_files(self, what: str) -> None:
-        records = whole_shards(self._dir.parent / "shards")
+    def _adopt_files(self, what: str, progress: bool | None = None) -> None:
+        records = whole_shards(self._dir.parent / "shards", progress)
         self.adopt(records)
         log.warning("%s from %d shard files (each carries its record)", what, len(records))
 
@@ -122,6 +123,21 @@ class Ledger:
         """All published shards, oldest first."""
         with self.db.read() as con:
             return [record(r) for r in con.execute(f"SELECT {COLUMNS} FROM shards ORDER BY created, id", clock(con))]
+
+    def pages(self, size: int = 1000) -> Iterator[list[ShardRecord]]:
+        """All published shards, ``size`` at a time in publishing order (row number), each page in a
+        read transaction of its own: a pass over a whole cache (a verify hashing every byte) holds
+        neither every record in memory nor one long snapshot (it would keep WAL checkpoints from
+        finishing). A shard published or removed while the pages are read may be left out."""
+        after = 0
+        while True:
+            with self.db.read() as con:
+                rows = con.execute(f"SELECT {COLUMNS} FROM shards WHERE n > :after ORDER BY n LIMIT :size",
+                                   {**clock(con), "after": after, "size": size}).fetchall()
+            if not rows:
+                return
+            yield [record(r) for r in rows]
+            after = rows[-1][0]  # COLUMNS begins with the row number
 
     def shard(self, shard_id: str) -> ShardRecord | None:
         """The published shard ``shard_id`` (one index lookup), or None."""
