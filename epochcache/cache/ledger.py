@@ -261,7 +261,7 @@ class Ledger:
                     now = clock(con)  # their counts are folded in: snapshots leave retiring shards out
                     con.executemany(f"UPDATE shards SET {FOLD}, state = 1 WHERE id = :id",
                                     ({**now, "id": r.id} for r in picks))
-                victims = take_until(unleased_retiring(con), goal)
+                victims = unleased_retiring(con, goal)
                 if sum(v.nbytes for v in victims) < need:
                     return None
                 delete_shards(con, [v.id for v in victims])
