@@ -55,6 +55,8 @@ def test_layout_paths(layout: CacheLayout) -> None:
     assert parse_shard_name("abc.arrow") is None
     assert parse_shard_name(f"abc-1.{checksum}.arrow.tmp") is None
     assert layout.tmp_path("abc").name == "abc.arrow.tmp"
+    assert layout.shard_file(f"abc-1.{checksum}.arrow") == str(layout.shard_path("abc-1", checksum))
+    assert layout.shards is layout.shards  # built once per layout
     assert layout.lock.parent == layout.root
 
 
