@@ -13,6 +13,8 @@ from typing import Any
 from tqdm import tqdm
 
 
-def progress_bar(desc: str, total: int | None, progress: bool | None, **units: Any) -> tqdm[Any]:
-    """A bar for ``total`` steps (``units``: tqdm's ``unit``, ``unit_scale``...), shown as ``progress`` says."""
-    return tqdm(desc=desc, total=total, disable=None if progress is None else not progress, **units)
+def progress_bar(desc: str, total: int, progress: bool | None, **units: Any) -> tqdm[Any]:
+    """A bar for ``total`` steps (``units``: tqdm's ``unit``, ``unit_scale``...), shown as ``progress``
+    says, never for no steps (a verify finds no unknown file most times: no line about it)."""
+    disable = None if progress is None else not progress  # tqdm's None: shown on a terminal only
+    return tqdm(desc=desc, total=total, disable=disable if total else True, **units)

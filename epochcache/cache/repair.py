@@ -86,9 +86,10 @@ def check(
 ) -> Repairs:
     """Compare disk with the ledger; with ``fix`` repair what disagrees (hold the lock to fix).
 
-    ``checksums``: also hash every shard (reads every byte, a page of records at a time; ``progress``
-    shows a bar of the bytes, see :mod:`epochcache.cache.progress`). ``live``: a daemon is running,
-    so one temp file is the shard in progress and disagreements must persist for a moment to count.
+    ``checksums``: also hash every shard (reads every byte, a page of records at a time). ``progress``
+    shows bars of the passes that read files (:mod:`epochcache.cache.progress`). ``live``: a daemon
+    is running, so one temp file is the shard in progress and disagreements must persist for a
+    moment to count.
     """
     findings = _scan(layout, ledger)
     deadline = time.monotonic() + _SETTLE_S
@@ -96,7 +97,7 @@ def check(
         time.sleep(_SETTLE_POLL_S)
         findings = findings & _scan(layout, ledger)
     temp = len(findings.temp) - (1 if live and findings.temp else 0)
-    adoptable = _adoptable(layout, ledger, findings.unknown)
+    adoptable = _adoptable(layout, ledger, findings.unknown, progress)
     corrupt = _corrupt(layout, ledger, progress) if checksums else []
     if fix:
         _apply(layout, ledger, findings, adoptable, corrupt)
@@ -126,15 +127,20 @@ def _scan(layout: CacheLayout, ledger: Ledger) -> _Findings:
     )
 
 
-def _adoptable(layout: CacheLayout, ledger: Ledger, unknown: frozenset[str]) -> list[ShardRecord]:
-    """Records for the unknown files that are whole shards holding no unit cached elsewhere."""
+def _adoptable(
+    layout: CacheLayout, ledger: Ledger, unknown: frozenset[str], progress: bool | None
+) -> list[ShardRecord]:
+    """Records for the unknown files that are whole shards holding no unit cached elsewhere (each
+    file read whole: a bar when asked, as a lost ledger makes every file unknown)."""
     taken: set[str] = set()
     out = []
-    for name in sorted(unknown):
-        record = whole_shard(layout.shards / name)
-        if record is not None and taken.isdisjoint(record.units) and not ledger.cached_units(record.units):
-            taken.update(record.units)
-            out.append(record)
+    with progress_bar("reading unknown shard files", len(unknown), progress, unit=" shards") as bar:
+        for name in sorted(unknown):
+            record = whole_shard(layout.shards / name)
+            if record is not None and taken.isdisjoint(record.units) and not ledger.cached_units(record.units):
+                taken.update(record.units)
+                out.append(record)
+            bar.update()
     return out
 
 

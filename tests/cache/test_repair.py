@@ -242,3 +242,19 @@ def test_a_checksum_pass_shows_its_bytes_and_finds_a_missing_file(
     assert check(layout, ledger, checksums=True, fix=True) == Repairs(missing_records=1)
     assert capsys.readouterr().err == ""  # no bar unless asked
     assert [r.id for r in ledger.shards()] == ["s0", "s2"]
+
+
+def test_a_lost_ledger_shows_the_reading_of_every_unknown_file(
+    layout: CacheLayout, ledger: Ledger, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every file is unknown to an empty ledger, and each is read whole to see if it may be adopted:
+    a bar counts them when asked; with no unknown file there is no bar at all."""
+    for i in range(3):
+        write_record(layout, f"s{i}", float(i))
+    assert check(layout, ledger, progress=True) == Repairs(adopted=3)
+    shown = capsys.readouterr().err
+    assert "reading unknown shard files" in shown and "3/3" in shown
+    reconcile(layout, ledger, progress=True)
+    capsys.readouterr()
+    assert check(layout, ledger, checksums=True, progress=True) == Repairs()
+    assert "reading unknown" not in capsys.readouterr().err
