@@ -92,7 +92,7 @@ class Ledger:
             self._migrate(legacy)
 
     @classmethod
-    def rebuild(cls, directory: str | Path, connect: Connect = connect, progress: bool | None = None) -> Ledger:
+    def rebuild(cls, directory: str | Path, connect: Connect = connect, progress: bool | None = False) -> Ledger:
         """A new ledger built from the shard files next to ``directory``; the old database (damaged, or
         of another version) is deleted: its bytes are not charged to the budget, and every shard's
         record is in its file. Hold the cache's lock. Reads every file (``progress``: a bar, see
@@ -109,7 +109,7 @@ class Ledger:
         for name in (LEGACY_DB_NAME, "cache.db-journal", "cache.db-wal", "cache.db-shm"):
             (self._dir / name).unlink(missing_ok=True)
 
-    def _adopt_files(self, what: str, progress: bool | None = None) -> None:
+    def _adopt_files(self, what: str, progress: bool | None = False) -> None:
         records = whole_shards(self._dir.parent / "shards", progress)
         self.adopt(records)
         log.warning("%s from %d shard files (each carries its record)", what, len(records))

@@ -37,7 +37,7 @@ def whole_shard(path: Path) -> ShardRecord | None:
                        checksum=checksum, units=meta.units, schema=schema_fingerprint(table.schema), verified=True)
 
 
-def whole_shards(folder: Path, progress: bool | None = None) -> list[ShardRecord]:
+def whole_shards(folder: Path, progress: bool | None = False) -> list[ShardRecord]:
     """Records of the whole shard files in ``folder`` holding no unit an earlier one holds, oldest first
     (a unit is cached once: a duplicate is the debris of a crash between publish and eviction).
     Reads every byte of every file: ``progress`` (see :mod:`epochcache.cache.progress`) counts them."""
