@@ -1,6 +1,7 @@
-"""Ledger cost per operation against cache size: records only (no shard files).
+"""Ledger cost per operation against cache size: records only, then a cache of real shard files.
 
-Usage: python benchmarks/ledger.py [--sizes 1000,10000,100000] [--out ledger.json]
+Usage: python benchmarks/ledger.py [--sizes 1000,10000,100000] [--file-sizes 10000,50000,100000]
+                                   [--out ledger.json]
 
 For each size, a fresh ledger gets that many shard records (bulk ``adopt``, its WAL then checkpointed),
 then each operation is timed (wall and CPU; the mean of 200 calls after 5 untimed for publishes, of
@@ -10,8 +11,14 @@ it writes; the first of a process, which decodes every record, and a later one o
 process, which reuses the records it can), renew, release, status-like reads (usage + newest 20 +
 lease counts), daemon start (open + the reconcile join: filenames() against a listing), then
 publish+evict by the other policies (as the daemon builds them, min_uses 1; every shard used once
-by then; the mean of 50 calls). Prints a table with the growth from the smallest to the largest
-size, and bytes per shard.
+by then; the mean of 50 calls), an epoch's first record, a batch eviction that a lease holding
+every shard turns into retiring shards, and the daemon's polls for room while it waits. Prints a
+table with the growth from the smallest to the largest size, and bytes per shard.
+
+Then, for each of ``--file-sizes``, a cache of that many tiny real shard files (see
+``benchmarks/ledger_files.py``) and the user-facing operations on it: the CLI commands, a daemon
+start, the heal after a publisher killed with SIGKILL, a rebuild of a lost ledger, a loader's
+first batch, clear.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from ledger_files import measure_files, print_files_table
 
 from epochcache.cache.evict import Fifo, Policy, policy_named
 from epochcache.cache.ledger import Ledger, ShardRecord
@@ -104,6 +113,7 @@ def measure(n: int) -> dict[str, object]:
             ledger.leases.release(lease_id)
         for name in ("lru", "most-used", "random"):  # as the daemon picks them: min_uses 1, every shard used
             out[f"evict {name}"] = timed(lambda: publish_evicting(policy_named(name, min_uses=1)), repeat=50, warmup=3)
+        out.update(backpressure(ledger))
         ledger.close()
         listing = {rec(i).filename for i in range(n)}
 
@@ -119,24 +129,52 @@ def measure(n: int) -> dict[str, object]:
         return out
 
 
+def backpressure(ledger: Ledger) -> dict[str, tuple[float, float]]:
+    """An epoch's first record (every shard new to training), then a batch eviction down to 90% of
+    the budget while that epoch's lease holds every shard (all picks retiring), and the daemon's
+    polls for room while it waits (the mean of 20 calls, each finding nothing it may evict)."""
+    lease = ledger.leases.snapshot("bench", 60).id
+    out = {"first epoch record": timed(lambda: ledger.leases.record_epoch(lease, 100), repeat=1)}
+    usage = ledger.usage()
+    budget = usage.total - usage.ledger_bytes + ledger.disk_bytes()
+
+    def make_room() -> None:
+        if ledger.make_room(1000, budget=budget, choose=Fifo(), evict_to=int(budget * 0.9)) is not None:
+            raise RuntimeError("room was made while a lease held every shard")
+
+    out["retire 10%"] = timed(make_room, repeat=1)
+    out["poll while leased"] = timed(make_room, repeat=20)
+    ledger.leases.release(lease)
+    return out
+
+
 OPS = ["publish", "publish+evict", "snapshot", "snapshot again", "renew", "release", "status", "start", "evict lru",
-       "evict most-used", "evict random"]
+       "evict most-used", "evict random", "first epoch record", "retire 10%", "poll while leased"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default="1000,10000,100000")
+    parser.add_argument("--file-sizes", default="10000,50000,100000", help="'' for none")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    results = [measure(int(s)) for s in args.sizes.split(",")]
+    results = [measure(int(s)) for s in args.sizes.split(",") if s]
+    files = [measure_files(int(s)) for s in args.file_sizes.split(",") if s]
+    if results:
+        print_table(results)
+    if files:
+        print_files_table(files)
+    if args.out:
+        args.out.write_text(json.dumps({"ledger": results, "files": files}, indent=1))
+
+
+def print_table(results: list[dict[str, object]]) -> None:
     print(f"{'op (ms wall/cpu)':<18}" + "".join(f"{r['shards']:>20}" for r in results) + f"{'growth':>10}")
     for op in OPS:
         cells = "".join(f"{r[op][0]:>12.2f}/{r[op][1]:<7.2f}" for r in results)  # type: ignore[index]
         growth = results[-1][op][0] / max(results[0][op][0], 1e-9)  # type: ignore[index]
         print(f"{op:<18}{cells}{growth:>9.2f}x")
     print(f"{'bytes/shard':<18}" + "".join(f"{r['bytes_per_shard']:>20}" for r in results))
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 from collections.abc import Sequence
@@ -122,6 +123,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="repair what disagrees (needs the daemon stopped): remove debris, adopt whole "
                              "unknown shards, drop missing records, quarantine corrupt shards")
     verify.add_argument("--json", action="store_true", help="print JSON instead of text")
+    verify.add_argument("--no-progress", action="store_true", help="no progress bar")
     verify.set_defaults(func=_verify)
 
     gc = command("gc", "delete quarantined shards and expired leases (and crash debris if no daemon runs)")
@@ -132,6 +134,7 @@ def _parser() -> argparse.ArgumentParser:
                              "refused while a daemon runs or a trainer holds a lease")
     _add_config_args(clear)
     clear.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    clear.add_argument("--no-progress", action="store_true", help="no progress bar")
     clear.set_defaults(func=_clear)
 
     plot = command("plot", "draw the cache's life over its epochs (cache bytes vs budget, samples per epoch, "
@@ -176,7 +179,7 @@ def _sync(args: argparse.Namespace) -> int:
     _warn_if_budget_exceeds_disk(config)
     with logging_redirect_tqdm():  # log lines print above the progress bar, not into it
         install_filter()  # on the handler the redirect put in place (older tqdm does not copy filters)
-        report = SyncDaemon(config, progress=False if args.no_progress else None).run(once=args.once)
+        report = SyncDaemon(config, progress=_progress(args)).run(once=args.once)
     log.info(
         "%s: %d shards (%d samples, %d bytes) published, %d evicted",
         report.reason.value, report.shards_published, report.samples_published,
@@ -191,19 +194,31 @@ def _sync(args: argparse.Namespace) -> int:
 
 def _warn_if_budget_exceeds_disk(config: Config) -> None:
     """Warn when ``cache.max_bytes`` is more than the cache's filesystem can give: its free space plus
-    what the cache already holds."""
+    what the cache already holds (summed only if the free space alone is less than the budget)."""
     path = Path(config.cache.dir)
     while not path.exists() and path != path.parent:
         path = path.parent
     free = shutil.disk_usage(path).free
-    held = sum(f.stat().st_size for f in Path(config.cache.dir).rglob("*") if f.is_file())
     budget = int(config.cache.max_bytes)
-    if budget > free + held:
+    if budget > free and budget > free + (held := _bytes_under(Path(config.cache.dir))):
         from epochcache.tools.status import human_bytes
 
         log.warning("cache.max_bytes=%s is more than the cache's filesystem can hold (%s free, %s already "
                     "cached): the disk fills before the budget; lower cache.max_bytes or free space",
                     human_bytes(budget), human_bytes(free), human_bytes(held))
+
+
+def _bytes_under(root: Path) -> int:
+    """Bytes of the files under ``root``: one ``lstat`` per file name os.walk lists (a third of the cost
+    of ``Path.rglob`` and a ``stat`` per path: 0.3 s for 100,000 shards)."""
+    total = 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except FileNotFoundError:  # removed since the listing (a daemon's eviction): no longer held
+                continue
+    return total
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -215,12 +230,17 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(args: argparse.Namespace) -> bool | None:
+    """A command's progress bars: on a terminal unless ``--no-progress`` (None: tqdm asks stderr)."""
+    return False if args.no_progress else None
+
+
 def _verify(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from epochcache.tools.maintenance import verify_cache
 
-    repairs, live = verify_cache(_config(args), fix=args.fix)
+    repairs, live = verify_cache(_config(args), fix=args.fix, progress=_progress(args))
     if args.json:
         print(json.dumps({**asdict(repairs), "problems": repairs.problems, "daemon_running": live}))
     else:
@@ -249,7 +269,7 @@ def _clear(args: argparse.Namespace) -> int:
         if input(f"delete every shard and the ledger of {root}? [y/N] ").strip().lower() not in ("y", "yes"):
             print("clear: nothing deleted")
             return 1
-    done = clear_cache(config)
+    done = clear_cache(config, progress=_progress(args))
     print(f"clear: {done['shards']} shards and {done['quarantined']} quarantined shards deleted "
           f"({done['bytes']} bytes), ledger emptied: {root}")
     return 0

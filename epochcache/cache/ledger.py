@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import sqlite3
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ Chooser = Callable[[Sequence[ShardRecord], int], Sequence[ShardRecord]]
 
 # The kv key of the ids of shards retired because the remote rewrote an object they hold rows of.
 _OUTDATED = "outdated"
+_ALL = 1 << 62  # bytes to free that every retiring shard together never reaches: all of them
 
 
 class Ledger:
@@ -95,15 +96,16 @@ class Ledger:
             self._migrate(legacy)
 
     @classmethod
-    def rebuild(cls, directory: str | Path, connect: Connect = connect) -> Ledger:
+    def rebuild(cls, directory: str | Path, connect: Connect = connect, progress: bool | None = False) -> Ledger:
         """A new ledger built from the shard files next to ``directory``; the old database (damaged, or
         of another version) is deleted: its bytes are not charged to the budget, and every shard's
-        record is in its file. Hold the cache's lock."""
+        record is in its file. Hold the cache's lock. Reads every file (``progress``: a bar, see
+        :mod:`epochcache.cache.progress`)."""
         folder = Path(directory)
         for name in (DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", LEGACY_DB_NAME):
             (folder / name).unlink(missing_ok=True)
         ledger = cls(folder, connect)
-        ledger._adopt_files("rebuilt the ledger")
+        ledger._adopt_files("rebuilt the ledger", progress)
         return ledger
 
     def _migrate(self, legacy: Path) -> None:
@@ -111,8 +113,8 @@ class Ledger:
         for name in (LEGACY_DB_NAME, "cache.db-journal", "cache.db-wal", "cache.db-shm"):
             (self._dir / name).unlink(missing_ok=True)
 
-    def _adopt_files(self, what: str) -> None:
-        records = whole_shards(self._dir.parent / "shards")
+    def _adopt_files(self, what: str, progress: bool | None = False) -> None:
+        records = whole_shards(self._dir.parent / "shards", progress)
         self.adopt(records)
         log.warning("%s from %d shard files (each carries its record)", what, len(records))
 
@@ -125,6 +127,21 @@ class Ledger:
         """All published shards, oldest first."""
         with self.db.read() as con:
             return [record(r) for r in con.execute(f"SELECT {COLUMNS} FROM shards ORDER BY created, id", clock(con))]
+
+    def pages(self, size: int = 1000) -> Iterator[list[ShardRecord]]:
+        """All published shards, ``size`` at a time in publishing order (row number), each page in a
+        read transaction of its own: a pass over a whole cache (a verify hashing every byte) holds
+        neither every record in memory nor one long snapshot (it would keep WAL checkpoints from
+        finishing). A shard published or removed while the pages are read may be left out."""
+        after = 0
+        while True:
+            with self.db.read() as con:
+                rows = con.execute(f"SELECT {COLUMNS} FROM shards WHERE n > :after ORDER BY n LIMIT :size",
+                                   {**clock(con), "after": after, "size": size}).fetchall()
+            if not rows:
+                return
+            yield [record(r) for r in rows]
+            after = rows[-1][0]  # COLUMNS begins with the row number
 
     def shard(self, shard_id: str) -> ShardRecord | None:
         """The published shard ``shard_id`` (one index lookup), or None."""
@@ -250,7 +267,7 @@ class Ledger:
                     now = clock(con)  # their counts are folded in: snapshots leave retiring shards out
                     con.executemany(f"UPDATE shards SET {FOLD}, state = 1 WHERE id = :id",
                                     ({**now, "id": r.id} for r in picks))
-                victims = take_until(unleased_retiring(con), goal)
+                victims = unleased_retiring(con, goal)
                 if sum(v.nbytes for v in victims) < need:
                     return None
                 delete_shards(con, [v.id for v in victims])
@@ -294,7 +311,7 @@ class Ledger:
         with self.db.write() as con:
             con.executemany(f"UPDATE shards SET {FOLD}, state = 1 WHERE id = :id AND state = 0",
                             ({**clock(con), "id": sid} for sid in hit))
-            removed = [r for r in unleased_retiring(con) if r.id in hit]
+            removed = [r for r in unleased_retiring(con, need=_ALL) if r.id in hit]
             delete_shards(con, [r.id for r in removed])
             # (the list keeps the retiring shards of earlier rewrites: any evicted since are dropped from it)
             retiring = {sid for (sid,) in con.execute("SELECT id FROM shards WHERE state = 1")}

@@ -22,7 +22,7 @@ from typing import Any
 from epochcache.cache.lease_owner import Owner, this_process
 from epochcache.cache.ledger_db import LedgerDatabase, kv, set_kv, unit_hash
 from epochcache.cache.ledger_leased import LeasedRecords
-from epochcache.cache.ledger_records import Lease, ShardRecord
+from epochcache.cache.ledger_records import Lease, ShardRecord, take_until
 from epochcache.cache.ledger_uses import COLUMNS, advance, clock, record
 
 # Epoch names a snapshot's ``use`` is checked against: enough for the trainers one cache serves at
@@ -169,19 +169,21 @@ def end_ended_leases(con: sqlite3.Connection) -> int:
     return len(ended)
 
 
-def unleased_retiring(con: sqlite3.Connection) -> list[ShardRecord]:
-    """Retiring shards no live lease holds, oldest first."""
+def unleased_retiring(con: sqlite3.Connection, need: int) -> list[ShardRecord]:
+    """The oldest retiring shards no live lease holds, the fewest that free ``need`` bytes (all of
+    them if they free less). One statement walks the retiring shards by index and skips the held
+    ones (each live lease's excluded rows read once), and only the records taken are decoded: the
+    daemon asks this at every poll while leases hold its evictions back, whatever the cache's size."""
     live = live_leases(con)
-    rows = con.execute(f"SELECT {COLUMNS} FROM shards INDEXED BY shards_age WHERE state = 1 "
-                       "ORDER BY created, id", clock(con)).fetchall()
-    if not live:
-        return [record(r) for r in rows]
-    held: dict[str, set[int]] = {
-        lease["id"]: {n for (n,) in con.execute("SELECT shard FROM lease_excluded WHERE lease = ?", (lease["id"],))}
-        for lease in live
-    }
-    return [record(r) for r in rows
-            if not any(r[0] <= lease["upto"] and r[0] not in held[lease["id"]] for lease in live)]
+    held = " OR ".join(f"(n <= :upto{i} AND n NOT IN (SELECT shard FROM lease_excluded WHERE lease = :id{i}))"
+                       for i in range(len(live)))
+    params = {f"{key}{i}": lease[key] for i, lease in enumerate(live) for key in ("id", "upto")}
+    rows = con.execute(f"SELECT {COLUMNS} FROM shards INDEXED BY shards_age WHERE state = 1"
+                       f"{f' AND NOT ({held})' if live else ''} ORDER BY created, id", {**clock(con), **params})
+    try:
+        return take_until((record(r) for r in rows), need)
+    finally:
+        rows.close()
 
 
 def _end_leases(con: sqlite3.Connection, lease_ids: list[str]) -> None:

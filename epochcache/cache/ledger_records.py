@@ -6,7 +6,7 @@ policies, the shard-file reader that rebuilds a ledger) need not import the ledg
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -95,7 +95,7 @@ def by_age(record: ShardRecord) -> tuple[float, str]:
     return record.created, record.id
 
 
-def take_until(ordered: Sequence[ShardRecord], need: int) -> list[ShardRecord]:
+def take_until(ordered: Iterable[ShardRecord], need: int) -> list[ShardRecord]:
     """The shortest prefix of ``ordered`` whose bytes reach ``need`` (all of it if they never do)."""
     taken: list[ShardRecord] = []
     freed = 0

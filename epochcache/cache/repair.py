@@ -22,6 +22,7 @@ from dataclasses import astuple, dataclass
 
 from epochcache.cache.layout import SHARD_SUFFIX, TMP_SUFFIX, CacheLayout
 from epochcache.cache.ledger import Ledger, ShardRecord
+from epochcache.cache.progress import progress_bar
 from epochcache.cache.quarantine import quarantine_shard
 from epochcache.cache.shard_files import whole_shard
 from epochcache.cache.shards import verify_shard
@@ -66,12 +67,12 @@ class _Findings:
         return any(astuple(self))
 
 
-def reconcile(layout: CacheLayout, ledger: Ledger, checksums: bool = False) -> Repairs:
+def reconcile(layout: CacheLayout, ledger: Ledger, checksums: bool = False, progress: bool | None = False) -> Repairs:
     """Make disk and ledger agree (at daemon start, ``verify --fix``); only the lock's holder may call it.
 
     Also forgets the reservation and the retiring set, which only a running daemon can own.
     """
-    repairs = check(layout, ledger, fix=True, checksums=checksums)
+    repairs = check(layout, ledger, fix=True, checksums=checksums, progress=progress)
     ledger.clear_reservation()
     ledger.clear_retiring()
     if repairs.problems:
@@ -80,12 +81,15 @@ def reconcile(layout: CacheLayout, ledger: Ledger, checksums: bool = False) -> R
 
 
 def check(
-    layout: CacheLayout, ledger: Ledger, *, fix: bool = False, checksums: bool = False, live: bool = False
+    layout: CacheLayout, ledger: Ledger, *, fix: bool = False, checksums: bool = False, live: bool = False,
+    progress: bool | None = False,
 ) -> Repairs:
     """Compare disk with the ledger; with ``fix`` repair what disagrees (hold the lock to fix).
 
-    ``checksums``: also hash every shard (reads every byte). ``live``: a daemon is running, so one
-    temp file is the shard in progress and disagreements must persist for a moment to count.
+    ``checksums``: also hash every shard (reads every byte, a page of records at a time). ``progress``
+    shows bars of the passes that read files (:mod:`epochcache.cache.progress`). ``live``: a daemon
+    is running, so one temp file is the shard in progress and disagreements must persist for a
+    moment to count.
     """
     findings = _scan(layout, ledger)
     deadline = time.monotonic() + _SETTLE_S
@@ -93,8 +97,8 @@ def check(
         time.sleep(_SETTLE_POLL_S)
         findings = findings & _scan(layout, ledger)
     temp = len(findings.temp) - (1 if live and findings.temp else 0)
-    adoptable = _adoptable(layout, ledger, findings.unknown)
-    corrupt = _corrupt(layout, ledger) if checksums else []
+    adoptable = _adoptable(layout, ledger, findings.unknown, progress)
+    corrupt = _corrupt(layout, ledger, progress) if checksums else []
     if fix:
         _apply(layout, ledger, findings, adoptable, corrupt)
     return Repairs(
@@ -117,34 +121,44 @@ def _scan(layout: CacheLayout, ledger: Ledger) -> _Findings:
         temp=frozenset(n for n in names if n.endswith(TMP_SUFFIX)),
         unknown=frozenset(n for n in names if n.endswith(SHARD_SUFFIX) and n not in recorded),
         # Records are read only when some file is gone (something is wrong), to name their ids.
-        missing=frozenset(r.id for r in ledger.shards() if r.filename in gone) if gone else frozenset(),
+        missing=frozenset(r.id for page in ledger.pages() for r in page if r.filename in gone) if gone else frozenset(),
         stray_quarantine=frozenset(in_quarantine - quarantined.keys()),
         lost_quarantine=frozenset(sid for name, sid in quarantined.items() if name not in in_quarantine),
     )
 
 
-def _adoptable(layout: CacheLayout, ledger: Ledger, unknown: frozenset[str]) -> list[ShardRecord]:
-    """Records for the unknown files that are whole shards holding no unit cached elsewhere."""
+def _adoptable(
+    layout: CacheLayout, ledger: Ledger, unknown: frozenset[str], progress: bool | None
+) -> list[ShardRecord]:
+    """Records for the unknown files that are whole shards holding no unit cached elsewhere (each
+    file read whole: a bar when asked, as a lost ledger makes every file unknown)."""
     taken: set[str] = set()
     out = []
-    for name in sorted(unknown):
-        record = whole_shard(layout.shards / name)
-        if record is not None and taken.isdisjoint(record.units) and not ledger.cached_units(record.units):
-            taken.update(record.units)
-            out.append(record)
+    with progress_bar("reading unknown shard files", len(unknown), progress, unit=" shards") as bar:
+        for name in sorted(unknown):
+            record = whole_shard(layout.shards / name)
+            if record is not None and taken.isdisjoint(record.units) and not ledger.cached_units(record.units):
+                taken.update(record.units)
+                out.append(record)
+            bar.update()
     return out
 
 
-def _corrupt(layout: CacheLayout, ledger: Ledger) -> list[tuple[ShardRecord, str]]:
+def _corrupt(layout: CacheLayout, ledger: Ledger, progress: bool | None) -> list[tuple[ShardRecord, str]]:
     """Published shards whose file fails its checksum, with the reason."""
     out = []
-    for record in ledger.shards():
-        try:
-            verify_shard(layout.shards / record.filename, record.checksum)
-        except ShardCorruptError as exc:
-            out.append((record, str(exc)))
-        except FileNotFoundError:
-            continue  # evicted while we looked, or a missing record: counted by the scan
+    folder = layout.shards
+    with progress_bar("verifying checksums", ledger.usage().shard_bytes, progress, unit="B", unit_scale=True,
+                      unit_divisor=1024) as bar:
+        for page in ledger.pages():
+            for record in page:
+                try:
+                    verify_shard(folder / record.filename, record.checksum)
+                except ShardCorruptError as exc:
+                    out.append((record, str(exc)))
+                except FileNotFoundError:
+                    pass  # evicted while we looked, or a missing record: counted by the scan
+                bar.update(record.nbytes)
     return out
 
 

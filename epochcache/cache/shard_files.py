@@ -7,11 +7,13 @@ the checksum in its name, its metadata names the same id); files that are not ar
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from epochcache.cache.layout import SHARD_SUFFIX, parse_shard_name
 from epochcache.cache.ledger_records import ShardRecord
-from epochcache.cache.shards import file_checksum, open_shard, read_record_meta, schema_fingerprint
+from epochcache.cache.progress import progress_bar
+from epochcache.cache.shards import file_checksum, open_shard, record_meta, schema_fingerprint
 from epochcache.errors import ShardCorruptError
 
 
@@ -24,23 +26,30 @@ def whole_shard(path: Path) -> ShardRecord | None:
     try:
         if file_checksum(path) != checksum:
             return None
-        meta, rows = read_record_meta(path)
-        schema = schema_fingerprint(open_shard(path).schema)
+        table = open_shard(path)  # once: opening is most of the cost beside the checksum
+        meta = record_meta(table.schema, path)
         nbytes = path.stat().st_size
     except (ShardCorruptError, FileNotFoundError):
         return None
     if meta.id != shard_id:
         return None
-    return ShardRecord(id=shard_id, filename=path.name, nbytes=nbytes, rows=rows, created=meta.created,
-                       checksum=checksum, units=meta.units, schema=schema, verified=True)
+    return ShardRecord(id=shard_id, filename=path.name, nbytes=nbytes, rows=table.num_rows, created=meta.created,
+                       checksum=checksum, units=meta.units, schema=schema_fingerprint(table.schema), verified=True)
 
 
-def whole_shards(folder: Path) -> list[ShardRecord]:
+def whole_shards(folder: Path, progress: bool | None = False) -> list[ShardRecord]:
     """Records of the whole shard files in ``folder`` holding no unit an earlier one holds, oldest first
-    (a unit is cached once: a duplicate is the debris of a crash between publish and eviction)."""
+    (a unit is cached once: a duplicate is the debris of a crash between publish and eviction).
+    Reads every byte of every file: ``progress`` (see :mod:`epochcache.cache.progress`) counts them."""
     if not folder.is_dir():
         return []
-    records = [r for p in sorted(folder.glob("*" + SHARD_SUFFIX)) if (r := whole_shard(p)) is not None]
+    names = sorted(name for name in os.listdir(folder) if name.endswith(SHARD_SUFFIX))  # str: Paths sort slowly
+    records = []
+    with progress_bar("reading shard files", len(names), progress, unit=" shards") as bar:
+        for name in names:
+            if (record := whole_shard(folder / name)) is not None:
+                records.append(record)
+            bar.update()
     seen: set[str] = set()
     out = []
     for record in sorted(records, key=lambda r: (r.created, r.id)):

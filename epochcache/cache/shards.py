@@ -51,7 +51,14 @@ def with_record_meta(table: pa.Table, meta: ShardMeta) -> pa.Table:
 def read_record_meta(path: Path) -> tuple[ShardMeta, int]:
     """The :class:`ShardMeta` and row count of a shard file; :class:`ShardCorruptError` if it has none."""
     table = open_shard(path)
-    raw = (table.schema.metadata or {}).get(_META, b"")
+    return record_meta(table.schema, path), table.num_rows
+
+
+def record_meta(schema: pa.Schema, path: Path) -> ShardMeta:
+    """The :class:`ShardMeta` in the schema of the shard at ``path`` (opened by the caller, who may need
+    more of it: opening an IPC file is most of what reading its record costs); :class:`ShardCorruptError`
+    if it has none."""
+    raw = (schema.metadata or {}).get(_META, b"")
     try:
         data = json.loads(raw)
         meta = ShardMeta(id=str(data["id"]), created=float(data["created"]), units=tuple(map(str, data["units"])))
@@ -60,7 +67,7 @@ def read_record_meta(path: Path) -> tuple[ShardMeta, int]:
             f"shard {path} carries no valid epochcache record metadata ({exc!r}): it was not written by "
             "this version of epochcache; delete it or run `epochcache verify --fix`"
         ) from exc
-    return meta, table.num_rows
+    return meta
 
 
 def schema_fingerprint(schema: pa.Schema) -> str:

@@ -24,24 +24,25 @@ from epochcache.tools.clear import existing_layout
 log = logging.getLogger(__name__)
 
 
-def verify_cache(config: Config, fix: bool = False) -> tuple[Repairs, bool]:
+def verify_cache(config: Config, fix: bool = False, progress: bool | None = False) -> tuple[Repairs, bool]:
     """Check every shard's file and checksum against the ledger; with ``fix`` repair (needs the lock).
 
     With ``fix``, an unreadable ledger is first rebuilt from the shard files (each carries its record).
+    Both read every byte of the cache: ``progress`` shows bars (:mod:`epochcache.cache.progress`).
     Returns what was found and whether a daemon was running. Raises :class:`DaemonRunningError` if
     ``fix`` is asked while a daemon runs, :class:`CacheError` if ``cache.dir`` holds no cache.
     """
     if fix:
         layout = CacheLayout.create(existing_layout(config, ledger_lost=True).root)
         with exclusive(layout.lock, "epochcache verify --fix"):
-            ledger = _whole_ledger(layout)
+            ledger = _whole_ledger(layout, progress)
             try:
-                return reconcile(layout, ledger, checksums=True), False
+                return reconcile(layout, ledger, checksums=True, progress=progress), False
             finally:
                 ledger.close()
     with _opened(config) as (layout, ledger):
         live = holder(layout.lock) is not None
-        return check(layout, ledger, checksums=True, live=live), live
+        return check(layout, ledger, checksums=True, live=live, progress=progress), live
 
 
 def collect_garbage(config: Config) -> dict[str, int]:
@@ -58,7 +59,7 @@ def collect_garbage(config: Config) -> dict[str, int]:
         return done
 
 
-def _whole_ledger(layout: CacheLayout) -> Ledger:
+def _whole_ledger(layout: CacheLayout, progress: bool | None = False) -> Ledger:
     """The cache's ledger, rebuilt from the shard files if it is unreadable (hold the lock)."""
     try:
         ledger = Ledger(layout.ledger)
@@ -66,12 +67,12 @@ def _whole_ledger(layout: CacheLayout) -> Ledger:
         raise
     except LedgerError as exc:
         log.warning("%s", exc)
-        return Ledger.rebuild(layout.ledger)
+        return Ledger.rebuild(layout.ledger, progress=progress)
     if ledger.db.intact():
         return ledger
     ledger.close()
     log.warning("the ledger %s is damaged (PRAGMA quick_check)", layout.ledger)
-    return Ledger.rebuild(layout.ledger)
+    return Ledger.rebuild(layout.ledger, progress=progress)
 
 
 @contextmanager

@@ -62,7 +62,7 @@ class ShardSetDataset(Dataset[Batch]):
     """
 
     def __init__(
-        self, paths: Sequence[Path], rows: Sequence[int], columns: Sequence[str] | None = None,
+        self, paths: Sequence[str | Path], rows: Sequence[int], columns: Sequence[str] | None = None,
         maps: ShardMaps[Views] | None = None, on_unreadable: Callable[[str, Exception], None] | None = None,
         max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
     ):

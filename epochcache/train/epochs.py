@@ -14,6 +14,7 @@ since, so a prepared epoch is rebuilt rather than read.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -145,7 +146,7 @@ class EpochBuilder:
             records = self._agreed_records(lease, resume)
             self._check_one_schema(records)
             dataset = ShardSetDataset(
-                [self._layout.shards / r.filename for r in records], [r.rows for r in records], config.columns,
+                [self._layout.shard_file(r.filename) for r in records], [r.rows for r in records], config.columns,
                 self._maps, QuarantineUnreadable(self._layout.root),
             )
             sampler = self._sampler(config, [r.rows for r in records], epoch, resume.position if resume else 0)
@@ -225,9 +226,9 @@ class EpochBuilder:
         uses it); if not, it is quarantined. Its checksum is the background verifier's business."""
         if record.id in self._present_ids:
             return True
-        path = self._layout.shards / record.filename
+        path = self._layout.shard_file(record.filename)
         try:
-            size = path.stat().st_size
+            size = os.stat(path).st_size
         except FileNotFoundError as exc:
             quarantine_shard(self._layout, self._ledger, record, f"skipped by an epoch: {exc}")
             return False

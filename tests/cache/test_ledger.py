@@ -590,3 +590,24 @@ def test_the_version_changes_with_another_connections_commit_only(tmp_path: Path
     assert ledger.db.version() == second
     ledger.close()
     other.close()
+
+
+def test_unleased_retiring_skips_every_live_leases_shards_and_takes_only_what_is_needed(ledger: Ledger) -> None:
+    """Two live leases of different epochs: a retiring shard goes only once neither holds it, oldest
+    first, and no more of them than the bytes asked for (one statement, whatever the retiring set)."""
+    from epochcache.cache.ledger_leases import unleased_retiring
+
+    publish_all(ledger, [record(i) for i in range(6)])
+    with ledger.db.write() as con:
+        con.execute("UPDATE shards SET state = 1 WHERE id IN ('s0', 's1')")
+    late = ledger.leases.snapshot("late epoch", ttl_s=60)  # holds s2..s5 (s0, s1 retiring: excluded)
+    publish_all(ledger, [record(6), record(7)])
+    with ledger.db.write() as con:
+        con.execute("UPDATE shards SET state = 1 WHERE id IN ('s3', 's6', 's7')")
+        assert ids(unleased_retiring(con, 10 * S)) == ["s0", "s1", "s6", "s7"]  # s3: the late epoch holds it
+        assert ids(unleased_retiring(con, S + 1)) == ["s0", "s1"]
+    newer = ledger.leases.snapshot("newer epoch", ttl_s=60)  # holds s2, s4, s5 only: the rest retire
+    ledger.leases.release(late.id)
+    with ledger.db.write() as con:
+        assert ids(unleased_retiring(con, 10 * S)) == ["s0", "s1", "s3", "s6", "s7"]
+    ledger.leases.release(newer.id)

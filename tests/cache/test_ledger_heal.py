@@ -256,3 +256,18 @@ def test_lease_of_a_stopped_owner_outlives_its_ttl(tmp_path: Path) -> None:
         proc.kill()
         proc.wait(10)
         ledger.close()
+
+
+def test_a_rebuild_reads_each_file_once_and_shows_its_progress(
+    layout: CacheLayout, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rebuild reads every shard file (23 s for 100,000 tiny ones before each was opened once):
+    asked for, a bar counts the files on stderr; by default (not a terminal) nothing is printed."""
+    records = write_shards(layout, 3)
+    ledger = Ledger.rebuild(layout.ledger, progress=True)
+    assert ledger.shards() == records
+    ledger.close()
+    shown = capsys.readouterr().err
+    assert "reading shard files" in shown and "3/3" in shown
+    Ledger.rebuild(layout.ledger).close()
+    assert capsys.readouterr().err == ""

@@ -55,6 +55,8 @@ def test_layout_paths(layout: CacheLayout) -> None:
     assert parse_shard_name("abc.arrow") is None
     assert parse_shard_name(f"abc-1.{checksum}.arrow.tmp") is None
     assert layout.tmp_path("abc").name == "abc.arrow.tmp"
+    assert layout.shard_file(f"abc-1.{checksum}.arrow") == str(layout.shard_path("abc-1", checksum))
+    assert layout.shards is layout.shards  # built once per layout
     assert layout.lock.parent == layout.root
 
 
@@ -217,3 +219,42 @@ def test_the_background_verifiers_quarantine_is_a_commit_the_loaders_ledger_sees
     verifier.close()
     assert ledger.db.version() != before
     assert [r.id for r in ledger.shards()] == ["good"] and ledger.shard("good").verified
+
+
+def test_pages_give_every_record_once_in_publishing_order(layout: CacheLayout, ledger: Ledger) -> None:
+    records = [publish_shard(layout, ledger, f"s{i}", float(10 - i)) for i in range(5)]  # created: newest first
+    pages = list(ledger.pages(size=2))
+    assert [len(page) for page in pages] == [2, 2, 1]
+    assert [r for page in pages for r in page] == records
+    ledger.drop(["s0", "s3"])
+    assert [r.id for page in ledger.pages(size=2) for r in page] == ["s1", "s2", "s4"]
+
+
+def test_a_checksum_pass_shows_its_bytes_and_finds_a_missing_file(
+    layout: CacheLayout, ledger: Ledger, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """verify hashes the cache a page of records at a time, a bar counting the bytes when asked."""
+    records = [publish_shard(layout, ledger, f"s{i}", float(i)) for i in range(3)]
+    (layout.shards / records[1].filename).unlink()
+    assert check(layout, ledger, checksums=True, progress=True) == Repairs(missing_records=1)
+    shown = capsys.readouterr().err
+    assert "verifying checksums" in shown and "100%" in shown
+    assert check(layout, ledger, checksums=True, fix=True) == Repairs(missing_records=1)
+    assert capsys.readouterr().err == ""  # no bar unless asked
+    assert [r.id for r in ledger.shards()] == ["s0", "s2"]
+
+
+def test_a_lost_ledger_shows_the_reading_of_every_unknown_file(
+    layout: CacheLayout, ledger: Ledger, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every file is unknown to an empty ledger, and each is read whole to see if it may be adopted:
+    a bar counts them when asked; with no unknown file there is no bar at all."""
+    for i in range(3):
+        write_record(layout, f"s{i}", float(i))
+    assert check(layout, ledger, progress=True) == Repairs(adopted=3)
+    shown = capsys.readouterr().err
+    assert "reading unknown shard files" in shown and "3/3" in shown
+    reconcile(layout, ledger, progress=True)
+    capsys.readouterr()
+    assert check(layout, ledger, checksums=True, progress=True) == Repairs()
+    assert "reading unknown" not in capsys.readouterr().err

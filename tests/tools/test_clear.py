@@ -69,3 +69,13 @@ def test_clear_of_a_missing_cache_creates_nothing(make_config: Callable[..., Con
     with pytest.raises(CacheError, match="does not exist"):
         clear_cache(config)
     assert not Path(config.cache.dir).exists()
+
+
+def test_clear_shows_its_progress_when_asked(
+    synced_cache: Callable[..., Config], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = synced_cache(3, 64, 32, "64KiB")
+    shards = len(_files(CacheLayout(Path(config.cache.dir)).shards))
+    capsys.readouterr()
+    assert clear_cache(config, progress=True)["shards"] == shards
+    assert "deleting shards: 100%" in capsys.readouterr().err

@@ -256,3 +256,22 @@ def test_clear_refuses_without_yes_then_empties_the_cache(tmp_path: Path, capsys
     capsys.readouterr()
     assert main(["status", "--config", str(config), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["samples"] == 3 * 64
+
+
+def test_bytes_under_counts_every_file_below(tmp_path: Path) -> None:
+    from epochcache.cli import _bytes_under
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "one").write_bytes(b"x" * 10)
+    (tmp_path / "a" / "b" / "two").write_bytes(b"y" * 32)
+    assert _bytes_under(tmp_path) == 42
+
+
+def test_verify_and_clear_show_no_bar_off_a_terminal_or_with_no_progress(tmp_path: Path, capsys) -> None:
+    config = str(_config(tmp_path))
+    assert main(["sync", "--config", config, "--once", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["verify", "--config", config]) == 0  # stderr is no terminal here: no bar
+    assert main(["verify", "--config", config, "--fix", "--no-progress"]) == 0
+    assert main(["clear", "--config", config, "--yes", "--no-progress"]) == 0
+    assert "%" not in capsys.readouterr().err
