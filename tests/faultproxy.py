@@ -5,7 +5,8 @@ replaced by a fault, chosen at random from ``kinds``: ``"503"`` (an S3 SlowDown 
 (the client connection is aborted before any reply), ``"truncate"`` (the real headers, half the body,
 then the connection closes) or ``"delay"`` (the real reply after ``delay_s``); not among the
 default kinds, ``"stall"`` (the real headers, half the body, then silence until the proxy closes,
-as a stuck connection). Replies go out with
+as a stuck connection) and ``"drip"`` (the real headers, then the body 64 bytes every ``drip_s``: never
+silent for long, never done). Replies go out with
 ``Connection: close`` so a fault never leaks into a reused connection. Counts are in ``faults``.
 
 Hostile remotes, on top: with probability ``flip_rate`` a successful object GET (a request with no
@@ -51,13 +52,14 @@ class FaultProxy:
     def __init__(self, upstream: str, rate: float, kinds: Sequence[str] = KINDS, delay_s: float = 3.0,
                  seed: int = 0, flip_rate: float = 0.0, ignore_if_match: bool = False,
                  disguise_etags: bool = False, range_quirk: str | None = None, deny: Sequence[str] = (),
-                 deny_code: str = "AccessDenied", listing_etag: Callable[[bytes], bytes] | None = None) -> None:
+                 deny_code: str = "AccessDenied", listing_etag: Callable[[bytes], bytes] | None = None,
+                 drip_s: float = 0.2) -> None:
         parsed = urlparse(upstream)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rate, self.kinds, self.delay_s, self.flip_rate = rate, tuple(kinds), delay_s, flip_rate
         self.ignore_if_match, self.disguise_etags = ignore_if_match, disguise_etags
         self.range_quirk, self.deny, self.listing_etag = range_quirk, {p.encode() for p in deny}, listing_etag
-        self._denied = _DENIED % deny_code.encode()
+        self._denied, self.drip_s = _DENIED % deny_code.encode(), drip_s
         self._disguised: dict[bytes, bytes] = {}  # disguised ETag hex -> the store's
         self._rewrites: dict[str, Callable[[], object]] = {}
         self._random = random.Random(seed)
@@ -148,6 +150,13 @@ class FaultProxy:
         if fault == "delay":
             await asyncio.sleep(self.delay_s)
         split = reply.index(b"\r\n\r\n") + 4
+        if fault == "drip":
+            writer.write(reply[:split])
+            for at in range(split, len(reply), 64):
+                writer.write(reply[at: at + 64])
+                await writer.drain()
+                await asyncio.sleep(self.drip_s)
+            return
         if fault in ("truncate", "stall") and len(reply) - split > 1:
             reply = reply[: split + (len(reply) - split) // 2]
         writer.write(reply)

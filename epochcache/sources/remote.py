@@ -10,7 +10,8 @@ credentials, a missing bucket, or refusals of :data:`_DENIED_IS_FATAL` objects b
 succeeded :class:`SourceError` naming the URL (configuration: fatal); bytes that fail a store
 checksum :class:`CorruptObjectError` (retried, then the unit is skipped). Transient failures (5xx,
 resets, a body cut short, detected by length, another range than asked for, a store silent for
-longer than the request timeout: ``TimeoutError`` naming the URL) pass through for
+longer than the request timeout or slower on average than :data:`_MIN_BYTES_PER_S`: ``TimeoutError``
+naming the URL) pass through for
 :mod:`epochcache.sources.retry` to classify and retry. Messages carry paths and causes only, never
 ``storage_options`` (which may hold credentials).
 
@@ -64,6 +65,9 @@ _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/")
 # S3 error codes of a 403 that refuse the credentials themselves, not one object: no object will read.
 _BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
                     "TokenRefreshRequired"}
+# The slowest average transfer a request may keep up (with sampler.request_timeout_s on top) before
+# it is given up and retried; far below any link a dataset is trained over.
+_MIN_BYTES_PER_S = 64 * 1024
 # Objects refused (403) before any read of the source succeeded that make it a configuration error
 # (a policy that lets the bucket be listed but no object read), not a few bad objects.
 _DENIED_IS_FATAL = 3
@@ -196,7 +200,7 @@ class RemoteFiles:
         self, obj: RemoteObject, start: int, end: int, whole: bool, into: memoryview | None
     ) -> bytes | memoryview:
         if self.is_s3 and into is not None:
-            got, reply = fsspec.asyn.sync(self.fs.loop, self._s3_get_into, obj, start, into)
+            got, reply = self._sync(end - start, self._s3_get_into, obj, start, into)
             self._check_served(obj, reply, start)
             if got > len(into):
                 raise TruncatedReadError(f"{self._url(obj.path)} bytes {start}-{end}: the store sent more "
@@ -228,10 +232,10 @@ class RemoteFiles:
             raise ObjectMissingError(f"{url} is gone (deleted since it was listed?): {describe(exc)}") from exc
         except PermissionError as exc:
             raise self._denial(obj, exc) from exc
-        except TimeoutError as exc:  # fsspec's FSTimeoutError says nothing: name the URL and the bound
-            limit = getattr(self.fs, "config_kwargs", {}).get("read_timeout")
-            raise TimeoutError(f"{url}: no reply within {limit if limit is not None else 'the read timeout'} s "
-                               f"(sampler.request_timeout_s): request given up ({describe(exc)})") from exc
+        except TimeoutError as exc:  # fsspec's FSTimeoutError says nothing: name the URL and the bounds
+            raise TimeoutError(f"{url}: request given up: silent for {self._silence()} s, or under "
+                               f"{_MIN_BYTES_PER_S // 1024} KiB/s on average (sampler.request_timeout_s; "
+                               f"{describe(exc)})") from exc
         except OSError as exc:
             if _precondition_failed(exc):
                 raise self._changed(obj, "its ETag no longer matches") from exc
@@ -258,8 +262,22 @@ class RemoteFiles:
         return ObjectDeniedError(f"cannot read {url}: {describe(exc)}: this object is skipped; grant "
                                  "s3:GetObject on it (its ACL, the bucket policy, its KMS key) to have it read")
 
+    def _silence(self) -> float | None:
+        """The longest silence a request may keep (botocore's read_timeout: sampler.request_timeout_s)."""
+        timeout = getattr(self.fs, "config_kwargs", {}).get("read_timeout")
+        return None if timeout is None else float(timeout)
+
+    def _sync(self, nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` (a coroutine moving ``nbytes``) run on the filesystem's loop, cancelled once it
+        takes longer than its silence bound plus ``nbytes`` at :data:`_MIN_BYTES_PER_S`: a connection
+        that trickles bytes never falls silent for long, yet would hold its unit, and every unit
+        consumed after it, for as long as it likes."""
+        silence = self._silence()
+        deadline = None if silence is None else silence + nbytes / _MIN_BYTES_PER_S
+        return fsspec.asyn.sync(self.fs.loop, fn, *args, timeout=deadline)
+
     def _s3_read(self, obj: RemoteObject, start: int, end: int, whole: bool) -> bytes:
-        data, reply = fsspec.asyn.sync(self.fs.loop, self._s3_get, obj, start, end, whole)
+        data, reply = self._sync(end - start, self._s3_get, obj, start, end, whole)
         self._check_served(obj, reply, start)
         if whole and len(data) == obj.size and self._etags_are_md5:
             md5 = _PLAIN_MD5.match(str(reply.get("ETag", "")))
@@ -268,7 +286,7 @@ class RemoteFiles:
             if md5 and not encrypted and digest != md5.group(1):
                 # Damage in transit, or a store whose plain-looking ETags are not MD5s (S3-compatible
                 # stores differ): a second read tells, as damage does not repeat itself bit for bit.
-                again, _ = fsspec.asyn.sync(self.fs.loop, self._s3_get, obj, start, end, whole)
+                again, _ = self._sync(end - start, self._s3_get, obj, start, end, whole)
                 if hashlib.md5(again).hexdigest() != digest:
                     raise CorruptObjectError(f"{self._url(obj.path)}: its bytes do not match its ETag (MD5 "
                                              f"{md5.group(1)}): damaged in transit")
