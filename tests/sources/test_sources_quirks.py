@@ -208,3 +208,18 @@ def test_a_body_that_trickles_is_given_up_after_its_size_allows(
         remote.fetch_into(obj, 0, memoryview(blank_image(obj.size)))
     assert time.monotonic() - began < 30.0, "given up in seconds, not after the whole trickle"
     assert proxy.faults["drip"] == 1
+
+
+def test_a_multipart_object_is_read_whole_not_judged_corrupt(s3: Any, bucket: str, s3_options: dict[str, Any]) -> None:
+    """A multipart upload's ETag is ``"<md5 of the part md5s>-<parts>"``, not the body's MD5: the
+    whole-object read keeps its bytes (checked by length and the If-Match pin, not by that ETag)."""
+    key, parts = "mp/cls/big.bin", [bytes([1]) * 5 * 2**20, bytes([2]) * 1000]
+    upload = s3.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+    done = [{"PartNumber": number, "ETag": s3.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload,
+                                                       PartNumber=number, Body=body)["ETag"]}
+            for number, body in enumerate(parts, 1)]
+    s3.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": done})
+    source = ObjectSource(f"s3://{bucket}/mp", storage_options=s3_options)
+    (obj,) = source.list_objects()
+    assert obj.etag is not None and obj.etag.strip('"').endswith("-2")
+    assert source.read(source.units(obj)[0])["data"].to_pylist() == [b"".join(parts)]
