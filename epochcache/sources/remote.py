@@ -5,15 +5,14 @@
 Errors are translated here, at the boundary: a missing object, or one changed since it was listed,
 becomes :class:`ObjectMissingError` (the daemon skips it for the pass; the next pass's listing sees
 its new version); one object refused (403 AccessDenied) :class:`ObjectDeniedError` (skipped and
-reported, the pass goes on); refused credentials (an invalid, expired or mis-signed key), missing
-credentials, a missing bucket, or refusals of :data:`_DENIED_IS_FATAL` objects before any read
-succeeded :class:`SourceError` naming the URL (configuration: fatal); bytes that fail a store
+reported, the pass goes on); a bucket gone mid-pass, refused credentials (an invalid, expired or
+mis-signed key), missing credentials, or refusals of :data:`_DENIED_IS_FATAL` objects before any
+read succeeded :class:`SourceError` naming the URL (configuration: fatal); bytes that fail a store
 checksum :class:`CorruptObjectError` (retried, then the unit is skipped). Transient failures (5xx,
 resets, a body cut short, detected by length, another range than asked for, a store silent for
 longer than the request timeout or slower on average than :data:`_MIN_BYTES_PER_S`: ``TimeoutError``
-naming the URL) pass through for
-:mod:`epochcache.sources.retry` to classify and retry. Messages carry paths and causes only, never
-``storage_options`` (which may hold credentials).
+naming the URL) pass through for :mod:`epochcache.sources.retry` to classify and retry. Messages
+carry paths and causes only, never ``storage_options`` (which may hold credentials).
 
 Pinning (invariant: bytes of one read all come from the version the listing saw):
 
@@ -229,6 +228,9 @@ class RemoteFiles:
             self._read_any = True
             return result
         except FileNotFoundError as exc:
+            if _response(exc).get("Error", {}).get("Code") == "NoSuchBucket":
+                raise SourceError(f"cannot read {url}: its bucket no longer exists ({describe(exc)}): check "
+                                  "source.url") from exc
             raise ObjectMissingError(f"{url} is gone (deleted since it was listed?): {describe(exc)}") from exc
         except PermissionError as exc:
             raise self._denial(obj, exc) from exc

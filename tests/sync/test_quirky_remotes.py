@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -180,3 +181,18 @@ def test_the_next_pass_replaces_a_rewritten_objects_rows(
     cached = _cached_ids(config)
     rows = [cached[f"{bucket}/data/part-0.parquet:{row}"] for row in range(ROWS)]
     assert rows == [[5_000 + row] for row in range(ROWS)], "the rewritten object's rows are its new version's"
+
+
+def test_a_bucket_deleted_mid_pass_stops_the_daemon_naming_it(
+    s3: Any, s3_options: dict[str, Any], make_config: Callable[..., Config]
+) -> None:
+    """Not a pass of 'objects missing' that ends as if complete: the bucket of source.url is gone."""
+    name = f"gone-{uuid.uuid4().hex[:12]}"
+    s3.mkdir(name)
+    for number in range(4):
+        s3.pipe(f"{name}/data/part-{number}.parquet", _parquet(number * ROWS))
+    config = make_config(f"s3://{name}/data", **ROOMY, **FAST, **{"source.storage_options": s3_options})
+    daemon = SyncDaemon(config, progress=False)
+    daemon.on_fetch = lambda unit: s3.rm(name, recursive=True) if s3.exists(name) else None
+    with pytest.raises(SourceError, match=rf"cannot read s3://{name}/data/part-.\.parquet: its bucket no longer"):
+        daemon.run(once=True)
