@@ -19,7 +19,7 @@ from epochcache.errors import ObjectDeniedError, ObjectMissingError, SourceError
 from epochcache.sources import ObjectSource, ParquetSource
 from epochcache.sources.base import RemoteObject
 from epochcache.sources.remote import RemoteFiles, blank_image
-from epochcache.sources.retry import RangeMismatchError, single_attempt_options
+from epochcache.sources.retry import RangeMismatchError, is_transient, single_attempt_options
 
 DATA = bytes(range(256)) * 64  # 16 KiB, no two neighbouring bytes equal: a shifted range reads differently
 
@@ -223,3 +223,18 @@ def test_a_multipart_object_is_read_whole_not_judged_corrupt(s3: Any, bucket: st
     (obj,) = source.list_objects()
     assert obj.etag is not None and obj.etag.strip('"').endswith("-2")
     assert source.read(source.units(obj)[0])["data"].to_pylist() == [b"".join(parts)]
+
+
+
+def test_a_stalled_listing_is_given_up_as_transient(s3: Any, bucket: str, quirky: Callable[..., FaultProxy]) -> None:
+    """A listing's reply is read whole by botocore: its silence bound raises ReadTimeoutError naming
+    the endpoint, which the retrier retries (and the daemon, after its attempts, retries after a pause)."""
+    proxy = quirky(kinds=("stall",))
+    s3.pipe(f"{bucket}/list/part.parquet", _parquet())
+    url = f"s3://{bucket}/list"
+    proxy.rate = 1.0
+    began = time.monotonic()
+    with pytest.raises(Exception, match=r"Read timeout on endpoint URL") as info:
+        ParquetSource(url, storage_options=_options(url, proxy, timeout_s=1.0)).list_objects()
+    assert is_transient(info.value) and time.monotonic() - began < 8.0
+    assert proxy.faults["stall"] == 1
