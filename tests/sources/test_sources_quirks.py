@@ -181,12 +181,12 @@ def test_a_stalled_body_is_given_up_after_the_request_timeout(
     proxy = quirky()
     s3.pipe(f"{bucket}/stall/part.parquet", _parquet())
     url = f"s3://{bucket}/stall"
-    source = ParquetSource(url, storage_options=_options(url, proxy, timeout_s=1.0))
+    source = ParquetSource(url, storage_options=_options(url, proxy, timeout_s=0.5))
     (obj,) = source.list_objects()
     units = source.units(obj)
     proxy.rate, proxy.kinds = 1.0, ("stall",)
     began = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"part.parquet: request given up: silent for 1.0 s"):
+    with pytest.raises(TimeoutError, match=r"part.parquet: request given up: silent for 0.5 s"):
         source.read(units[0])
     assert time.monotonic() - began < 8.0
     assert proxy.faults["stall"] == 1
@@ -195,18 +195,18 @@ def test_a_stalled_body_is_given_up_after_the_request_timeout(
 def test_a_body_that_trickles_is_given_up_after_its_size_allows(
     s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
 ) -> None:
-    """64 bytes every 0.2 s: never silent for the 1 s timeout, and 160 KiB would take 8 minutes. The
-    read is given up once over the timeout plus its size at 64 KiB/s (about 3.5 s here), naming it."""
+    """64 bytes every 0.2 s: never silent for the 0.5 s timeout, and 32 KiB would take 100 s. The read
+    is given up once over the timeout plus its size at 64 KiB/s (about 1 s here), naming it."""
     proxy = quirky(drip_s=0.2)
-    s3.pipe(f"{bucket}/drip/blob.bin", DATA * 10)
+    s3.pipe(f"{bucket}/drip/blob.bin", DATA * 2)
     url = f"s3://{bucket}/drip"
-    remote = RemoteFiles(url, _options(url, proxy, timeout_s=1.0))
-    obj = RemoteObject(f"{bucket}/drip/blob.bin", len(DATA) * 10, s3.info(f"{bucket}/drip/blob.bin")["ETag"])
+    remote = RemoteFiles(url, _options(url, proxy, timeout_s=0.5))
+    obj = RemoteObject(f"{bucket}/drip/blob.bin", len(DATA) * 2, s3.info(f"{bucket}/drip/blob.bin")["ETag"])
     proxy.rate, proxy.kinds = 1.0, ("drip",)
     began = time.monotonic()
     with pytest.raises(TimeoutError, match=r"drip/blob.bin: request given up: .*under 64 KiB/s on average"):
         remote.fetch_into(obj, 0, memoryview(blank_image(obj.size)))
-    assert time.monotonic() - began < 30.0, "given up in seconds, not after the whole trickle"
+    assert time.monotonic() - began < 20.0, "given up in seconds, not after the whole trickle"
     assert proxy.faults["drip"] == 1
 
 
@@ -235,6 +235,6 @@ def test_a_stalled_listing_is_given_up_as_transient(s3: Any, bucket: str, quirky
     proxy.rate = 1.0
     began = time.monotonic()
     with pytest.raises(Exception, match=r"Read timeout on endpoint URL") as info:
-        ParquetSource(url, storage_options=_options(url, proxy, timeout_s=1.0)).list_objects()
+        ParquetSource(url, storage_options=_options(url, proxy, timeout_s=0.5)).list_objects()
     assert is_transient(info.value) and time.monotonic() - began < 8.0
     assert proxy.faults["stall"] == 1

@@ -26,7 +26,7 @@ from epochcache.sync.daemon import StopReason
 ROWS, GROUP = 64, 32
 ROOMY = {"cache.max_bytes": "50MB", "cache.shard_bytes": "200KB"}
 FAST = {"sampler.backoff_s": 0.01, "sampler.backoff_max_s": 0.05, "sampler.max_attempts": 8,
-        "sampler.request_timeout_s": 1.0}
+        "sampler.request_timeout_s": 0.5}
 NAMES = ["a b.parquet", "a+b.parquet", "a%20b.parquet", "ünï cödé ✓.parquet", "year=2024/month=01/p.parquet",
          "q?x=1&y=2.parquet", "h#frag.parquet", "back\\slash.parquet", ("deep-" + "x" * 180 + "/") * 4 + "long.parquet"]
 
