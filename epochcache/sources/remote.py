@@ -64,7 +64,7 @@ _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/")
 # S3 error codes of a 403 that refuse the credentials themselves, not one object: no object will read.
 _BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
                     "TokenRefreshRequired"}
-# The slowest average transfer a request may keep up (with sampler.request_timeout_s on top) before
+# The slowest average transfer a request may keep up (with twice sampler.request_timeout_s on top) before
 # it is given up and retried; far below any link a dataset is trained over.
 _MIN_BYTES_PER_S = 64 * 1024
 # Objects refused (403) before any read of the source succeeded that make it a configuration error
@@ -271,11 +271,11 @@ class RemoteFiles:
 
     def _sync(self, nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` (a coroutine moving ``nbytes``) run on the filesystem's loop, cancelled once it
-        takes longer than its silence bound plus ``nbytes`` at :data:`_MIN_BYTES_PER_S`: a connection
-        that trickles bytes never falls silent for long, yet would hold its unit, and every unit
-        consumed after it, for as long as it likes."""
+        takes longer than twice its silence bound (a connect and a wait for the reply may each take
+        one) plus ``nbytes`` at :data:`_MIN_BYTES_PER_S`: a connection that trickles bytes never falls
+        silent for long, yet would hold its unit, and every unit consumed after it, for as long as it likes."""
         silence = self._silence()
-        deadline = None if silence is None else silence + nbytes / _MIN_BYTES_PER_S
+        deadline = None if silence is None else 2 * silence + nbytes / _MIN_BYTES_PER_S
         return fsspec.asyn.sync(self.fs.loop, fn, *args, timeout=deadline)
 
     def _s3_read(self, obj: RemoteObject, start: int, end: int, whole: bool) -> bytes:

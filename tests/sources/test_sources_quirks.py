@@ -196,7 +196,7 @@ def test_a_body_that_trickles_is_given_up_after_its_size_allows(
     s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
 ) -> None:
     """64 bytes every 0.2 s: never silent for the 0.5 s timeout, and 32 KiB would take 100 s. The read
-    is given up once over the timeout plus its size at 64 KiB/s (about 1 s here), naming it."""
+    is given up once over twice the timeout plus its size at 64 KiB/s (about 1.5 s here), naming it."""
     proxy = quirky(drip_s=0.2)
     s3.pipe(f"{bucket}/drip/blob.bin", DATA * 2)
     url = f"s3://{bucket}/drip"
