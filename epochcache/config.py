@@ -211,10 +211,13 @@ class SamplerConfig(_Section):
     )
     backoff_s: float = Field(default=0.2, gt=0.0, description="first backoff ceiling; doubles per retry")
     backoff_max_s: float = Field(default=20.0, gt=0.0, description="largest backoff ceiling")
-    # 10 s: a read timeout bounds a silence between two packets, not a whole download, so a slow link
-    # never hits it, while an endpoint that never answers costs 10 s per attempt, not a minute.
+    # 10 s: a read timeout bounds a silence between two packets, so a slow link never hits it, while an
+    # endpoint that never answers costs 10 s per attempt, not a minute. A whole read also gets twice this
+    # plus its size at 64 KiB/s (epochcache.sources.remote), so bytes trickling in cannot hold a unit forever.
     request_timeout_s: float = Field(
-        default=10.0, gt=0.0, description="connect timeout and longest silence within one request (S3)"
+        default=10.0, gt=0.0,
+        description="connect timeout and longest silence within one request (S3); a read also gets twice this "
+        "plus its size at 64 KiB/s in all",
     )
     max_sample_bytes: ByteSize = Field(
         default=ByteSize(256 * 2**20), gt=0,

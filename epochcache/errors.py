@@ -8,6 +8,7 @@
     │   │                           access denied, no such bucket; no retry helps)
     │   └── ObjectMissingError      a listed object is gone, or changed since it was listed: skipped
     ├── FetchFailedError            a remote read kept failing with transient errors (retried later)
+    │   └── ObjectDeniedError       one listed object refuses reads (403) while the source reads: skipped
     ├── CorruptObjectError          a remote object's bytes are bad (damaged metadata or payload, a
     │   │                           checksum mismatch, a member too large): the unit is skipped, reported
     │   └── OversizeUnitError       a unit larger than the budget can hold as one shard: skipped, never retried
@@ -47,6 +48,13 @@ class ObjectMissingError(SourceError):
 class FetchFailedError(EpochcacheError):
     """A remote read failed with transient errors on every attempt; the daemon records the unit as
     skipped and retries it at the end of the pass."""
+
+
+class ObjectDeniedError(FetchFailedError):
+    """One listed object answers 403 (its ACL, the bucket policy or its KMS key refuse it) while the
+    credentials themselves are good: not retried (no attempt helps), the unit is skipped with this
+    reason, read once more at the pass end, and reported; the pass goes on. Refused credentials, or
+    refusals before any object read, are a :class:`SourceError` instead."""
 
 
 class CorruptObjectError(EpochcacheError):

@@ -3,7 +3,10 @@
 Each request is forwarded on a fresh upstream connection; with probability ``rate`` its reply is
 replaced by a fault, chosen at random from ``kinds``: ``"503"`` (an S3 SlowDown reply), ``"reset"``
 (the client connection is aborted before any reply), ``"truncate"`` (the real headers, half the body,
-then the connection closes) or ``"delay"`` (the real reply after ``delay_s``). Replies go out with
+then the connection closes) or ``"delay"`` (the real reply after ``delay_s``); not among the
+default kinds, ``"stall"`` (the real headers, half the body, then silence until the proxy closes,
+as a stuck connection) and ``"drip"`` (the real headers, then the body 64 bytes every ``drip_s``: never
+silent for long, never done). Replies go out with
 ``Connection: close`` so a fault never leaks into a reused connection. Counts are in ``faults``.
 
 Hostile remotes, on top: with probability ``flip_rate`` a successful object GET (a request with no
@@ -13,6 +16,13 @@ before its next GET is forwarded, as a writer racing the reader would (counted a
 ``ignore_if_match`` drops ``If-Match`` from requests, as a store without conditional reads would;
 ``disguise_etags`` gives every object an ETag that looks like an MD5 but is not one (and maps it back
 in ``If-Match``), as some S3-compatible stores do.
+
+Quirky stores: ``range_quirk="ignore"`` drops ``Range`` from object GETs (the store answers 200 with
+the whole object); ``range_quirk="shift"`` asks the store for the range one byte off the one requested
+(a 206 of the right length whose ``Content-Range`` is not the one asked); ``deny`` holds object paths
+(``/<bucket>/<key>``, as sent) whose GETs answer 403 with the S3 error code ``deny_code``;
+``listing_etag`` rewrites each ``<ETag>`` value of a listing (its bytes, quotes included, as the XML
+holds them), as stores whose listings spell ETags otherwise than their GET replies do.
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ _SLOWDOWN = (
     b"<?xml version='1.0' encoding='UTF-8'?>\n<Error><Code>SlowDown</Code>"
     b"<Message>Please reduce your request rate.</Message></Error>"
 )
+_DENIED = b"<?xml version='1.0' encoding='UTF-8'?>\n<Error><Code>%s</Code><Message>Access Denied</Message></Error>"
+_RANGE = re.compile(rb"(?im)^range: *bytes=(\d+)-(\d+)\r\n")
 KINDS = ("503", "reset", "truncate", "delay")
 _ETAG_HEX = re.compile(rb"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])")
 
@@ -39,11 +51,15 @@ class FaultProxy:
 
     def __init__(self, upstream: str, rate: float, kinds: Sequence[str] = KINDS, delay_s: float = 3.0,
                  seed: int = 0, flip_rate: float = 0.0, ignore_if_match: bool = False,
-                 disguise_etags: bool = False) -> None:
+                 disguise_etags: bool = False, range_quirk: str | None = None, deny: Sequence[str] = (),
+                 deny_code: str = "AccessDenied", listing_etag: Callable[[bytes], bytes] | None = None,
+                 drip_s: float = 0.2) -> None:
         parsed = urlparse(upstream)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rate, self.kinds, self.delay_s, self.flip_rate = rate, tuple(kinds), delay_s, flip_rate
         self.ignore_if_match, self.disguise_etags = ignore_if_match, disguise_etags
+        self.range_quirk, self.deny, self.listing_etag = range_quirk, {p.encode() for p in deny}, listing_etag
+        self._denied, self.drip_s = _DENIED % deny_code.encode(), drip_s
         self._disguised: dict[bytes, bytes] = {}  # disguised ETag hex -> the store's
         self._rewrites: dict[str, Callable[[], object]] = {}
         self._random = random.Random(seed)
@@ -108,6 +124,14 @@ class FaultProxy:
             return
         method, target = head.split(b" ", 2)[:2]
         is_object_get = method == b"GET" and b"?" not in target
+        if is_object_get and target in self.deny:
+            self.faults["deny"] += 1
+            writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: "
+                         + str(len(self._denied)).encode() + b"\r\nConnection: close\r\n\r\n" + self._denied)
+            await writer.drain()
+            return
+        if is_object_get and self.range_quirk:
+            head = self._range(head)
         rewrite = self._rewrites.pop(target.decode(), None) if is_object_get else None
         if rewrite is not None:
             self.faults["rewrite"] += 1
@@ -119,17 +143,41 @@ class FaultProxy:
         reply = await self._forward(head, body)
         if self.disguise_etags:
             reply = self._disguise(reply, listing=not is_object_get)
+        if self.listing_etag is not None and method == b"GET" and b"?" in target:  # a listing
+            reply = self._respell(reply, self.listing_etag)
         if is_object_get and self.flip_rate and self._random.random() < self.flip_rate:
             reply = self._flip(reply)
         if fault == "delay":
             await asyncio.sleep(self.delay_s)
         split = reply.index(b"\r\n\r\n") + 4
-        if fault == "truncate" and len(reply) - split > 1:
+        if fault == "drip":
+            writer.write(reply[:split])
+            for at in range(split, len(reply), 64):
+                writer.write(reply[at: at + 64])
+                await writer.drain()
+                await asyncio.sleep(self.drip_s)
+            return
+        if fault in ("truncate", "stall") and len(reply) - split > 1:
             reply = reply[: split + (len(reply) - split) // 2]
         writer.write(reply)
         await writer.drain()
+        if fault == "stall":
+            await asyncio.Event().wait()  # silence until close() cancels this task
         if fault == "truncate":
             writer.transport.abort()
+
+    def _range(self, head: bytes) -> bytes:
+        """``head`` with its ``Range`` dropped (``range_quirk="ignore"``) or moved one byte (``"shift"``:
+        one byte later, or earlier where the range starts past 0), counted as ``"range"``."""
+        match = _RANGE.search(head)
+        if match is None:
+            return head
+        self.faults["range"] += 1
+        if self.range_quirk == "ignore":
+            return head[: match.start()] + head[match.end():]
+        start, end = int(match.group(1)), int(match.group(2))
+        step = -1 if start > 0 else 1
+        return head[: match.start()] + b"Range: bytes=%d-%d\r\n" % (start + step, end + step) + head[match.end():]
 
     def _disguise(self, reply: bytes, listing: bool) -> bytes:
         """``reply`` with every ETag (headers; a listing's body too) replaced by a stable 32-hex value
@@ -142,6 +190,14 @@ class FaultProxy:
         split = reply.index(b"\r\n\r\n") + 4
         head = re.sub(rb"(?im)^etag:.*$", lambda line: _ETAG_HEX.sub(disguise, line.group(0)), reply[:split])
         body = _ETAG_HEX.sub(disguise, reply[split:]) if listing else reply[split:]
+        return head + body
+
+    @staticmethod
+    def _respell(reply: bytes, respell: Callable[[bytes], bytes]) -> bytes:
+        """``reply`` with each ``<ETag>`` value of its body respelled, its Content-Length set anew."""
+        split = reply.index(b"\r\n\r\n") + 4
+        body = re.sub(rb"(?<=<ETag>)[^<]*(?=</ETag>)", lambda m: respell(m.group(0)), reply[split:])
+        head = re.sub(rb"(?im)^content-length:.*$", b"Content-Length: %d" % len(body), reply[:split])
         return head + body
 
     def _flip(self, reply: bytes) -> bytes:

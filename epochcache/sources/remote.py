@@ -4,17 +4,25 @@
 
 Errors are translated here, at the boundary: a missing object, or one changed since it was listed,
 becomes :class:`ObjectMissingError` (the daemon skips it for the pass; the next pass's listing sees
-its new version); a refused one, missing credentials or a missing bucket :class:`SourceError`
-naming the URL (configuration: fatal); bytes that fail a store checksum :class:`CorruptObjectError`
-(retried, then the unit is skipped). Transient failures (5xx, resets, timeouts, a body cut short,
-detected by length) pass through for :mod:`epochcache.sources.retry` to classify and retry. Messages carry
-paths and causes only, never ``storage_options`` (which may hold credentials).
+its new version); one object refused (403 AccessDenied) :class:`ObjectDeniedError` (skipped and
+reported, the pass goes on); a bucket gone mid-pass, refused credentials (an invalid, expired or
+mis-signed key), missing credentials, or refusals of :data:`_DENIED_IS_FATAL` objects before any
+read succeeded :class:`SourceError` naming the URL (configuration: fatal); bytes that fail a store
+checksum :class:`CorruptObjectError` (retried, then the unit is skipped). Transient failures (5xx,
+resets, a body cut short, detected by length, another range than asked for, a store silent for
+longer than the request timeout or slower on average than :data:`_MIN_BYTES_PER_S`: ``TimeoutError``
+naming the URL) pass through for :mod:`epochcache.sources.retry` to classify and retry. Messages
+carry paths and causes only, never ``storage_options`` (which may hold credentials).
 
 Pinning (invariant: bytes of one read all come from the version the listing saw):
 
 - S3: the listing records each object's ETag; every GET carries ``If-Match`` with it, so a rewritten
   object answers 412 instead of bytes of another version cut at the stale size. (ListObjectsV2
-  names no VersionId; the ETag pins versioned buckets as well.) A whole-object read
+  names no VersionId; the ETag pins versioned buckets as well.) The reply's ETag is compared too
+  (without quotes, ``W/`` or case), for stores that ignore ``If-Match``; a store whose ``If-Match``
+  refuses its own listing's spelling of an unchanged object's ETag (a HEAD shows it unchanged) is
+  read without ``If-Match`` from then on, pinned by the reply's ETag alone. A ranged reply must
+  start where asked (its ``Content-Range``), else it is another range's bytes. A whole-object read
   also checks the body's MD5 against a plain (single-part, not SSE-KMS/SSE-C) ETag; botocore checks
   an ``x-amz-checksum-*`` the store sends for a whole object.
 - Local files: the etag is ``<mtime>-<size>``; it is compared with a fresh ``stat`` before and after
@@ -41,9 +49,9 @@ from typing import Any, TypeVar, overload
 import fsspec
 import fsspec.asyn
 
-from epochcache.errors import CorruptObjectError, ObjectMissingError, SourceError
+from epochcache.errors import CorruptObjectError, ObjectDeniedError, ObjectMissingError, SourceError
 from epochcache.sources.base import RemoteObject
-from epochcache.sources.retry import TruncatedReadError, describe
+from epochcache.sources.retry import RangeMismatchError, TruncatedReadError, describe
 
 _CHUNK = 1 << 20  # bytes of a GET body copied into a unit's image at a time
 _T = TypeVar("_T")
@@ -52,6 +60,16 @@ log = logging.getLogger(__name__)
 _PLAIN_MD5 = re.compile(r'^"?([0-9a-f]{32})"?$')
 # Server-side encryption under which an S3 ETag is not the MD5 of the body.
 _ETAG_NOT_MD5 = {"aws:kms", "aws:kms:dsse"}
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/")
+# S3 error codes of a 403 that refuse the credentials themselves, not one object: no object will read.
+_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+                    "TokenRefreshRequired"}
+# The slowest average transfer a request may keep up (with twice sampler.request_timeout_s on top) before
+# it is given up and retried; far below any link a dataset is trained over.
+_MIN_BYTES_PER_S = 64 * 1024
+# Objects refused (403) before any read of the source succeeded that make it a configuration error
+# (a policy that lets the bucket be listed but no object read), not a few bad objects.
+_DENIED_IS_FATAL = 3
 
 
 def etag_of(info: dict[str, Any]) -> str | None:
@@ -87,10 +105,15 @@ def _checksum_error(exc: BaseException) -> bool:
     return isinstance(exc, bex.FlexibleChecksumError)
 
 
-def _precondition_failed(exc: BaseException) -> bool:
-    """True when S3 answered 412 to our If-Match (s3fs hands it on as an OSError caused by it)."""
+def _response(exc: BaseException) -> dict[str, Any]:
+    """The S3 error reply behind ``exc`` (s3fs hands a ClientError on as the OSError's cause); {} if none."""
     cause = exc.__cause__ if exc.__cause__ is not None else exc
-    response = getattr(cause, "response", None) or {}
+    return getattr(cause, "response", None) or {}
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """True when S3 answered 412 to our If-Match."""
+    response = _response(exc)
     return bool(response.get("Error", {}).get("Code") == "PreconditionFailed"
                 or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412)
 
@@ -117,6 +140,9 @@ class RemoteFiles:
         self.is_s3 = "s3" in protocols
         self._local = bool({"file", "local"} & set(protocols))
         self._etags_are_md5 = True  # until the store shows otherwise (see _s3_read)
+        self._if_match = True  # until the store refuses an unchanged object's ETag (see _get_object)
+        self._read_any = False  # a read of this source succeeded: a refused object is that object's, not ours
+        self._denied: set[str] = set()  # paths refused (403) so far
 
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
         return f"RemoteFiles({self.url!r})"
@@ -173,8 +199,8 @@ class RemoteFiles:
         self, obj: RemoteObject, start: int, end: int, whole: bool, into: memoryview | None
     ) -> bytes | memoryview:
         if self.is_s3 and into is not None:
-            got, reply = fsspec.asyn.sync(self.fs.loop, self._s3_get_into, obj, start, into)
-            self._check_served(obj, reply)
+            got, reply = self._sync(end - start, self._s3_get_into, obj, start, into)
+            self._check_served(obj, reply, start)
             if got > len(into):
                 raise TruncatedReadError(f"{self._url(obj.path)} bytes {start}-{end}: the store sent more "
                                          "than asked (it ignored the range)")
@@ -198,12 +224,20 @@ class RemoteFiles:
         """``read()``, its errors translated (see the module docstring)."""
         url = self._url(obj.path)
         try:
-            return read()
+            result = read()
+            self._read_any = True
+            return result
         except FileNotFoundError as exc:
+            if _response(exc).get("Error", {}).get("Code") == "NoSuchBucket":
+                raise SourceError(f"cannot read {url}: its bucket no longer exists ({describe(exc)}): check "
+                                  "source.url") from exc
             raise ObjectMissingError(f"{url} is gone (deleted since it was listed?): {describe(exc)}") from exc
         except PermissionError as exc:
-            raise SourceError(f"cannot read {url}: {describe(exc)}: check the credentials and "
-                              "the bucket policy") from exc
+            raise self._denial(obj, exc) from exc
+        except TimeoutError as exc:  # fsspec's FSTimeoutError says nothing: name the URL and the bounds
+            raise TimeoutError(f"{url}: request given up: silent for {self._silence()} s, or under "
+                               f"{_MIN_BYTES_PER_S // 1024} KiB/s on average (sampler.request_timeout_s; "
+                               f"{describe(exc)})") from exc
         except OSError as exc:
             if _precondition_failed(exc):
                 raise self._changed(obj, "its ETag no longer matches") from exc
@@ -216,9 +250,37 @@ class RemoteFiles:
                                          f"{describe(exc)}") from exc
             raise
 
+    def _denial(self, obj: RemoteObject, exc: PermissionError) -> SourceError | ObjectDeniedError:
+        """What a 403 on ``obj`` means: refused credentials, or refusals before any read succeeded of
+        :data:`_DENIED_IS_FATAL` objects, are configuration (:class:`SourceError`); else this one
+        object is refused (:class:`ObjectDeniedError`: skipped and reported, the others read on)."""
+        url = self._url(obj.path)
+        self._denied.add(obj.path)
+        code = _response(exc).get("Error", {}).get("Code")
+        if code in _BAD_CREDENTIALS or (not self._read_any and len(self._denied) >= _DENIED_IS_FATAL):
+            return SourceError(f"cannot read {url} ({len(self._denied)} object(s) of {self.url} refused, none "
+                               f"read): {describe(exc)}: check the credentials and the bucket policy "
+                               "(s3:GetObject)")
+        return ObjectDeniedError(f"cannot read {url}: {describe(exc)}: this object is skipped; grant "
+                                 "s3:GetObject on it (its ACL, the bucket policy, its KMS key) to have it read")
+
+    def _silence(self) -> float | None:
+        """The longest silence a request may keep (botocore's read_timeout: sampler.request_timeout_s)."""
+        timeout = getattr(self.fs, "config_kwargs", {}).get("read_timeout")
+        return None if timeout is None else float(timeout)
+
+    def _sync(self, nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` (a coroutine moving ``nbytes``) run on the filesystem's loop, cancelled once it
+        takes longer than twice its silence bound (a connect and a wait for the reply may each take
+        one) plus ``nbytes`` at :data:`_MIN_BYTES_PER_S`: a connection that trickles bytes never falls
+        silent for long, yet would hold its unit, and every unit consumed after it, for as long as it likes."""
+        silence = self._silence()
+        deadline = None if silence is None else 2 * silence + nbytes / _MIN_BYTES_PER_S
+        return fsspec.asyn.sync(self.fs.loop, fn, *args, timeout=deadline)
+
     def _s3_read(self, obj: RemoteObject, start: int, end: int, whole: bool) -> bytes:
-        data, reply = fsspec.asyn.sync(self.fs.loop, self._s3_get, obj, start, end, whole)
-        self._check_served(obj, reply)
+        data, reply = self._sync(end - start, self._s3_get, obj, start, end, whole)
+        self._check_served(obj, reply, start)
         if whole and len(data) == obj.size and self._etags_are_md5:
             md5 = _PLAIN_MD5.match(str(reply.get("ETag", "")))
             encrypted = reply.get("ServerSideEncryption") in _ETAG_NOT_MD5 or reply.get("SSECustomerAlgorithm")
@@ -226,7 +288,7 @@ class RemoteFiles:
             if md5 and not encrypted and digest != md5.group(1):
                 # Damage in transit, or a store whose plain-looking ETags are not MD5s (S3-compatible
                 # stores differ): a second read tells, as damage does not repeat itself bit for bit.
-                again, _ = fsspec.asyn.sync(self.fs.loop, self._s3_get, obj, start, end, whole)
+                again, _ = self._sync(end - start, self._s3_get, obj, start, end, whole)
                 if hashlib.md5(again).hexdigest() != digest:
                     raise CorruptObjectError(f"{self._url(obj.path)}: its bytes do not match its ETag (MD5 "
                                              f"{md5.group(1)}): damaged in transit")
@@ -236,11 +298,21 @@ class RemoteFiles:
                             md5.group(1), self.url)
         return data
 
-    def _check_served(self, obj: RemoteObject, reply: dict[str, Any]) -> None:
-        """A store that ignores If-Match serves another version without a word: its reply names it."""
+    def _check_served(self, obj: RemoteObject, reply: dict[str, Any], start: int) -> None:
+        """The reply holds the listed version's bytes from ``start`` on: a store that ignores If-Match
+        serves another version without a word (its reply's ETag names it), and one that ignores or
+        mangles a Range serves bytes from elsewhere (its ``Content-Range``, or a whole object, says so)."""
         served = reply.get("ETag")
         if obj.etag and served and _bare(served) != _bare(obj.etag):
             raise self._changed(obj, f"its ETag went from {obj.etag} to {served}")
+        content_range = reply.get("ContentRange")
+        match = _CONTENT_RANGE.match(content_range or "")
+        if content_range and (match is None or int(match.group(1)) != start):
+            raise RangeMismatchError(f"{self._url(obj.path)}: asked for bytes from {start}, the store sent "
+                                     f"Content-Range {content_range!r}")
+        if not content_range and start > 0:
+            raise RangeMismatchError(f"{self._url(obj.path)}: asked for bytes from {start}, the store ignored the "
+                                     "Range and sent the whole object")
 
     def _s3_request(self, obj: RemoteObject, start: int, end: int, whole: bool) -> dict[str, Any]:
         """GetObject's arguments, pinned by If-Match. A whole object pinned so is asked for without a
@@ -250,13 +322,36 @@ class RemoteFiles:
         unranged = (whole and obj.etag) or (start == 0 and obj.size == 0)  # an empty object has no byte to range
         if not unranged:
             request["Range"] = f"bytes={start}-{end - 1}"
-        if obj.etag:
+        if obj.etag and self._if_match:
             request["IfMatch"] = obj.etag
         return request
 
+    async def _get_object(self, obj: RemoteObject, request: dict[str, Any]) -> dict[str, Any]:
+        """GetObject's reply to ``request``. A 412 to its If-Match on an object a HEAD shows unchanged
+        (the same ETag but for quotes, ``W/`` or case, and size) means the store's If-Match refuses its
+        own listing's spelling: every read would be refused. The source then reads without If-Match
+        (the reply's ETag still pins each read, :meth:`_check_served`), saying so once."""
+        try:
+            return await self.fs._call_s3("get_object", **request)
+        except OSError as exc:
+            if "IfMatch" not in request or not _precondition_failed(exc) or not await self._unchanged(obj):
+                raise
+        if self._if_match:
+            self._if_match = False
+            log.warning("%s: the store refuses If-Match %s though a HEAD shows the object unchanged: reads under %s "
+                        "are pinned by the reply's ETag alone from now on", self._url(obj.path), obj.etag, self.url)
+        return await self.fs._call_s3("get_object", **{k: v for k, v in request.items() if k != "IfMatch"})
+
+    async def _unchanged(self, obj: RemoteObject) -> bool:
+        """Whether a HEAD of ``obj`` shows the listed version (ETag compared as :func:`_bare`, and size)."""
+        bucket, key, _ = self.fs.split_path(obj.path)
+        head = await self.fs._call_s3("head_object", Bucket=bucket, Key=key)
+        etag = head.get("ETag")
+        return bool(obj.etag and etag and _bare(etag) == _bare(obj.etag) and head.get("ContentLength") == obj.size)
+
     async def _s3_get(self, obj: RemoteObject, start: int, end: int, whole: bool) -> tuple[bytes, dict[str, Any]]:
         """One GetObject (:meth:`_s3_request`): its body and its reply."""
-        reply = await self.fs._call_s3("get_object", **self._s3_request(obj, start, end, whole))
+        reply = await self._get_object(obj, self._s3_request(obj, start, end, whole))
         try:
             data = await reply["Body"].read()
         finally:
@@ -266,7 +361,7 @@ class RemoteFiles:
     async def _s3_get_into(self, obj: RemoteObject, start: int, out: memoryview) -> tuple[int, dict[str, Any]]:
         """One ranged GetObject whose body is written into ``out`` as it arrives: the bytes sent (one
         past ``len(out)`` if the store sent more, having ignored the range) and the reply."""
-        reply = await self.fs._call_s3("get_object", **self._s3_request(obj, start, start + len(out), False))
+        reply = await self._get_object(obj, self._s3_request(obj, start, start + len(out), False))
         body, got = reply["Body"], 0
         try:
             while got < len(out):

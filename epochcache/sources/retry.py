@@ -1,7 +1,7 @@
 """Retries of remote reads: exponential backoff with full jitter, attempts counted where they happen.
 
 Flow: ``Retrier.call(fn, what)`` runs ``fn``; a transient failure (:func:`is_transient`: 5xx,
-SlowDown/503, timeouts, connection resets, truncated bodies) is retried after a random wait in
+SlowDown/503, timeouts, connection resets, truncated bodies, replies of another range) is retried after a random wait in
 ``[0, min(backoff_max_s, backoff_s * 2**attempt)]`` (full jitter, AWS's recommendation) up to
 ``max_attempts`` in all, and so is a :class:`CorruptObjectError` (a checksum mismatch may be a bit
 flipped in transit), re-raised as itself after the last attempt; a permanent one (no such bucket
@@ -41,6 +41,12 @@ class TruncatedReadError(OSError):
     """A ranged read returned fewer bytes than asked for: the body was cut short in transit."""
 
 
+class RangeMismatchError(OSError):
+    """A ranged read's reply holds bytes from another offset than asked (its ``Content-Range`` differs,
+    or the store ignored the Range and sent the whole object): never taken for the bytes asked for;
+    retried, as a proxy or cache on the way may mangle one reply."""
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for failures another attempt may cure; False for permanent ones (and our own errors but
     :class:`CorruptObjectError`: bytes damaged in transit read right the next time)."""
@@ -50,7 +56,7 @@ def is_transient(exc: BaseException) -> bool:
         return True
     if isinstance(exc, (SourceError, FileNotFoundError, PermissionError, IsADirectoryError)):
         return False
-    if isinstance(exc, (TimeoutError, ConnectionError, TruncatedReadError)):
+    if isinstance(exc, (TimeoutError, ConnectionError, TruncatedReadError, RangeMismatchError)):
         return True
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True

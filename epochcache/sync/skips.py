@@ -16,7 +16,13 @@ from collections.abc import Callable, Iterator
 import pyarrow as pa
 
 from epochcache.cache.ledger import Ledger
-from epochcache.errors import CorruptObjectError, FetchFailedError, ObjectMissingError, OversizeUnitError
+from epochcache.errors import (
+    CorruptObjectError,
+    FetchFailedError,
+    ObjectDeniedError,
+    ObjectMissingError,
+    OversizeUnitError,
+)
 from epochcache.sources import RemoteObject, Unit
 from epochcache.sources.retry import Retrier, describe
 from epochcache.sync.claims import Claims
@@ -101,6 +107,8 @@ class SkipBook:
 
 def _what(exc: Exception) -> str:
     """What a skip says of the remote, for the daemon's last error."""
+    if isinstance(exc, ObjectDeniedError):
+        return "access denied"
     if isinstance(exc, FetchFailedError):
         return "remote unreachable"
     if isinstance(exc, OversizeUnitError):

@@ -9,7 +9,7 @@ import pytest
 import s3fs
 
 from epochcache.sources.remote import RemoteFiles, blank_image
-from epochcache.sources.retry import TruncatedReadError
+from epochcache.sources.retry import RangeMismatchError
 from epochcache.sources.scan import scan
 
 DATA = bytes(range(256)) * 4096  # 1 MiB: several of aiohttp's received chunks
@@ -42,5 +42,5 @@ def test_a_store_that_ignores_the_range_is_an_error_not_bytes_at_wrong_offsets(
     monkeypatch.setattr(remote, "_s3_request", unranged)
     ((obj,),) = scan(remote, [".bin"], "blob")
     out = memoryview(blank_image(1000))
-    with pytest.raises(TruncatedReadError, match="sent more than asked"):
+    with pytest.raises(RangeMismatchError, match="ignored the Range and sent the whole object"):
         remote.fetch_into(obj, 5000, out)

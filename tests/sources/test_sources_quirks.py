@@ -1,0 +1,240 @@
+"""Quirky S3 stores, through the fault proxy: replies of another range than asked, listings that spell
+ETags otherwise than If-Match accepts, objects refused one by one, connections that stall. Each read
+is the bytes asked for or an error naming the object; never another range's bytes, never a hang."""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import make_table
+from faultproxy import FaultProxy
+
+from epochcache.errors import ObjectDeniedError, ObjectMissingError, SourceError
+from epochcache.sources import ObjectSource, ParquetSource
+from epochcache.sources.base import RemoteObject
+from epochcache.sources.remote import RemoteFiles, blank_image
+from epochcache.sources.retry import RangeMismatchError, is_transient, single_attempt_options
+
+DATA = bytes(range(256)) * 64  # 16 KiB, no two neighbouring bytes equal: a shifted range reads differently
+
+
+def _parquet(rows: int = 64, start: int = 0) -> bytes:
+    buffer = io.BytesIO()
+    pq.write_table(make_table(rows, start), buffer, row_group_size=32)
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def quirky(s3_endpoint: str) -> Iterator[Callable[..., FaultProxy]]:
+    """``quirky(**proxy options)``: a FaultProxy (no random faults) in front of the test server, closed after."""
+    proxies: list[FaultProxy] = []
+
+    def start(**options: Any) -> FaultProxy:
+        proxies.append(FaultProxy(s3_endpoint, rate=0.0, **options))
+        return proxies[-1]
+
+    yield start
+    for proxy in proxies:
+        proxy.close()
+
+
+def _options(url: str, proxy: FaultProxy, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The storage options the daemon would use (one attempt per request, ``timeout_s``), via ``proxy``."""
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url}}
+    return single_attempt_options(url, options, timeout_s)
+
+
+def _blob(s3: Any, bucket: str, proxy: FaultProxy) -> tuple[RemoteFiles, RemoteObject]:
+    s3.pipe(f"{bucket}/blob/data.bin", DATA)
+    info = s3.info(f"{bucket}/blob/data.bin")
+    remote = RemoteFiles(f"s3://{bucket}/blob", _options(f"s3://{bucket}/blob", proxy))
+    return remote, RemoteObject(f"{bucket}/blob/data.bin", len(DATA), info["ETag"])
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["fetch", "fetch_into"])
+def test_a_206_of_another_range_is_refused_not_taken_for_the_range_asked(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], into: bool
+) -> None:
+    """The store answers bytes 999-1998 to a request for 1000-1999: the same length, so only its
+    Content-Range tells; they must not be handed on as bytes 1000-1999."""
+    proxy = quirky(range_quirk="shift")
+    remote, obj = _blob(s3, bucket, proxy)
+    with pytest.raises(RangeMismatchError, match=r"data.bin: asked for bytes from 1000, .*'bytes 999-1998/16384'"):
+        if into:
+            remote.fetch_into(obj, 1000, memoryview(blank_image(1000)))
+        else:
+            remote.fetch(obj, 1000, 2000)
+    assert proxy.faults["range"] == 1
+
+
+def test_a_200_with_the_whole_object_to_a_ranged_get_is_refused(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
+) -> None:
+    proxy = quirky(range_quirk="ignore")
+    remote, obj = _blob(s3, bucket, proxy)
+    with pytest.raises(RangeMismatchError, match="from 1000, the store ignored the Range and sent the whole object"):
+        remote.fetch(obj, 1000, 2000)
+    assert remote.fetch(obj, 0, len(DATA)) == DATA, "from byte 0 the whole object is the range asked"
+
+
+@pytest.mark.parametrize("quirk", ["shift", "ignore"])
+def test_parquet_row_groups_from_a_range_mangling_store_are_errors_never_rows(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], quirk: str
+) -> None:
+    proxy = quirky()
+    s3.pipe(f"{bucket}/pq/part.parquet", _parquet())
+    source = ParquetSource(f"s3://{bucket}/pq", storage_options=_options(f"s3://{bucket}/pq", proxy))
+    (obj,) = source.list_objects()
+    units = source.units(obj)  # the footer, read straight
+    proxy.range_quirk = quirk
+    for unit in units:
+        with pytest.raises(RangeMismatchError, match="part.parquet: asked for bytes from"):
+            source.read(unit)
+    assert proxy.faults["range"] == len(units)
+
+
+def _upper(etag: bytes) -> bytes:
+    return etag.upper().replace(b"&QUOT;", b"&quot;")
+
+
+@pytest.mark.parametrize("respell", [_upper, lambda etag: b"W/" + etag], ids=["upper case", "weak"])
+def test_listing_etags_spelled_otherwise_are_read_and_still_pinned(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], caplog: pytest.LogCaptureFixture,
+    respell: Callable[[bytes], bytes]
+) -> None:
+    """The listing spells ETags so that the store's If-Match refuses them (412) for unchanged objects:
+    a HEAD shows them unchanged, the source reads on without If-Match (one warning), and an object
+    rewritten after that is still refused by the reply's ETag, never read as the listed version."""
+    proxy = quirky(listing_etag=respell)
+    for name in ("a", "b"):
+        s3.pipe(f"{bucket}/spell/part-{name}.parquet", _parquet(64, 100 if name == "b" else 0))
+    source = ParquetSource(f"s3://{bucket}/spell", storage_options=_options(f"s3://{bucket}/spell", proxy))
+    first, second = source.list_objects()
+    with caplog.at_level(logging.WARNING, logger="epochcache.sources.remote"):
+        ids = [i for unit in source.units(first) for i in source.read(unit).column("id").to_pylist()]
+    assert ids == list(range(64))
+    assert len([r for r in caplog.records if "refuses If-Match" in r.message]) == 1
+    units = source.units(second)
+    proxy.rewrite_on_get(f"/{bucket}/spell/part-b.parquet",
+                         lambda: s3.pipe(f"{bucket}/spell/part-b.parquet", _parquet(64, 500)))
+    with pytest.raises(ObjectMissingError, match="part-b.parquet changed since it was listed"):
+        source.read(units[0])
+    assert proxy.faults["rewrite"] == 1
+
+
+def test_one_refused_object_is_object_denied_and_the_others_read(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
+) -> None:
+    proxy = quirky(deny=[f"/{bucket}/deny/cls/b.bin"])
+    for name in ("a", "b", "c"):
+        s3.pipe(f"{bucket}/deny/cls/{name}.bin", name.encode() * 100)
+    source = ObjectSource(f"s3://{bucket}/deny", storage_options=_options(f"s3://{bucket}/deny", proxy))
+    a, b, c = source.list_objects()
+    assert source.read(source.units(a)[0])["data"].to_pylist() == [b"a" * 100]
+    with pytest.raises(ObjectDeniedError, match=r"cannot read s3://.*/deny/cls/b.bin: .*Access Denied.*skipped"):
+        source.read(source.units(b)[0])
+    assert source.read(source.units(c)[0])["data"].to_pylist() == [b"c" * 100]
+
+
+def test_objects_refused_before_any_read_are_a_configuration_error(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
+) -> None:
+    """A policy that lets the bucket be listed but no object read: a few refusals with no read between
+    them stop the source with a SourceError naming the URL and the fix, not a pass of skips."""
+    names = [f"{bucket}/nope/cls/{i}.bin" for i in range(4)]
+    proxy = quirky(deny=[f"/{name}" for name in names])
+    for name in names:
+        s3.pipe(name, b"x" * 10)
+    source = ObjectSource(f"s3://{bucket}/nope", storage_options=_options(f"s3://{bucket}/nope", proxy))
+    objects = source.list_objects()
+    for obj in objects[:2]:
+        with pytest.raises(ObjectDeniedError):
+            source.read(source.units(obj)[0])
+    with pytest.raises(SourceError, match=r"3 object\(s\) of s3://.*/nope refused, none read.*s3:GetObject") as info:
+        source.read(source.units(objects[2])[0])
+    assert not isinstance(info.value, ObjectDeniedError)
+
+
+def test_refused_credentials_are_a_configuration_error_at_once(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
+) -> None:
+    proxy = quirky(deny=[f"/{bucket}/creds/cls/a.bin"], deny_code="InvalidAccessKeyId")
+    s3.pipe(f"{bucket}/creds/cls/a.bin", b"x" * 10)
+    source = ObjectSource(f"s3://{bucket}/creds", storage_options=_options(f"s3://{bucket}/creds", proxy))
+    (obj,) = source.list_objects()
+    with pytest.raises(SourceError, match="check the credentials") as info:
+        source.read(source.units(obj)[0])
+    assert not isinstance(info.value, ObjectDeniedError)
+
+
+def test_a_stalled_body_is_given_up_after_the_request_timeout(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
+) -> None:
+    """Headers and half the body, then silence: the read fails within the timeout (a silence bound,
+    botocore's read_timeout, which the daemon sets from sampler.request_timeout_s), naming the object."""
+    proxy = quirky()
+    s3.pipe(f"{bucket}/stall/part.parquet", _parquet())
+    url = f"s3://{bucket}/stall"
+    source = ParquetSource(url, storage_options=_options(url, proxy, timeout_s=0.5))
+    (obj,) = source.list_objects()
+    units = source.units(obj)
+    proxy.rate, proxy.kinds = 1.0, ("stall",)
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"part.parquet: request given up: silent for 0.5 s"):
+        source.read(units[0])
+    assert time.monotonic() - began < 8.0
+    assert proxy.faults["stall"] == 1
+
+
+def test_a_body_that_trickles_is_given_up_after_its_size_allows(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
+) -> None:
+    """64 bytes every 0.2 s: never silent for the 0.5 s timeout, and 32 KiB would take 100 s. The read
+    is given up once over twice the timeout plus its size at 64 KiB/s (about 1.5 s here), naming it."""
+    proxy = quirky(drip_s=0.2)
+    s3.pipe(f"{bucket}/drip/blob.bin", DATA * 2)
+    url = f"s3://{bucket}/drip"
+    remote = RemoteFiles(url, _options(url, proxy, timeout_s=0.5))
+    obj = RemoteObject(f"{bucket}/drip/blob.bin", len(DATA) * 2, s3.info(f"{bucket}/drip/blob.bin")["ETag"])
+    proxy.rate, proxy.kinds = 1.0, ("drip",)
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"drip/blob.bin: request given up: .*under 64 KiB/s on average"):
+        remote.fetch_into(obj, 0, memoryview(blank_image(obj.size)))
+    assert time.monotonic() - began < 20.0, "given up in seconds, not after the whole trickle"
+    assert proxy.faults["drip"] == 1
+
+
+def test_a_multipart_object_is_read_whole_not_judged_corrupt(s3: Any, bucket: str, s3_options: dict[str, Any]) -> None:
+    """A multipart upload's ETag is ``"<md5 of the part md5s>-<parts>"``, not the body's MD5: the
+    whole-object read keeps its bytes (checked by length and the If-Match pin, not by that ETag)."""
+    key, parts = "mp/cls/big.bin", [bytes([1]) * 5 * 2**20, bytes([2]) * 1000]
+    upload = s3.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+    done = [{"PartNumber": number, "ETag": s3.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload,
+                                                       PartNumber=number, Body=body)["ETag"]}
+            for number, body in enumerate(parts, 1)]
+    s3.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": done})
+    source = ObjectSource(f"s3://{bucket}/mp", storage_options=s3_options)
+    (obj,) = source.list_objects()
+    assert obj.etag is not None and obj.etag.strip('"').endswith("-2")
+    assert source.read(source.units(obj)[0])["data"].to_pylist() == [b"".join(parts)]
+
+
+
+def test_a_stalled_listing_is_given_up_as_transient(s3: Any, bucket: str, quirky: Callable[..., FaultProxy]) -> None:
+    """A listing's reply is read whole by botocore: its silence bound raises ReadTimeoutError naming
+    the endpoint, which the retrier retries (and the daemon, after its attempts, retries after a pause)."""
+    proxy = quirky(kinds=("stall",))
+    s3.pipe(f"{bucket}/list/part.parquet", _parquet())
+    url = f"s3://{bucket}/list"
+    proxy.rate = 1.0
+    began = time.monotonic()
+    with pytest.raises(Exception, match=r"Read timeout on endpoint URL") as info:
+        ParquetSource(url, storage_options=_options(url, proxy, timeout_s=0.5)).list_objects()
+    assert is_transient(info.value) and time.monotonic() - began < 8.0
+    assert proxy.faults["stall"] == 1
