@@ -29,7 +29,9 @@ from epochcache.errors import CorruptObjectError, DatasetMismatchError, SourceEr
 from epochcache.sources import Source, Unit
 from epochcache.sync.vitals import Vitals
 
-ROOMY = {"cache.max_bytes": "50MB", "cache.shard_bytes": "200KB"}
+# (a corrupt unit is retried, and again at the pass end: real backoffs would cost seconds per test)
+ROOMY = {"cache.max_bytes": "50MB", "cache.shard_bytes": "200KB", "sampler.backoff_s": 0.001,
+         "sampler.backoff_max_s": 0.01}
 
 
 def _remote(tmp_path: Path, files: int = 9, name: str = "remote") -> tuple[str, list[str]]:
@@ -222,7 +224,7 @@ def test_a_damaged_parquet_footer_among_nine_is_skipped_by_sync_once(
     config = make_config(remote, **ROOMY)
     config_file = tmp_path / "config.yaml"
     config_file.write_text(yaml.safe_dump({"source": {"url": remote}, "cache": {"dir": config.cache.dir, **{
-        "max_bytes": "50MB", "shard_bytes": "200KB"}}}))
+        "max_bytes": "50MB", "shard_bytes": "200KB"}}, "sampler": {"backoff_s": 0.001, "backoff_max_s": 0.01}}))
     done = subprocess.run([sys.executable, "-m", "epochcache", "sync", "-c", str(config_file), "--once",
                            "--no-progress"], capture_output=True, text=True, timeout=120)
     assert _cached_ids(config) == set(range(9 * 64)) - set(range(6 * 64, 7 * 64)), done.stderr

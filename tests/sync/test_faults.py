@@ -139,6 +139,8 @@ def _s3_config(tmp_path: Path, url: str, s3_endpoint: str) -> Path:
             "key": "AKIAEXAMPLEKEYID0002", "secret": "very-secret-value-0002",
             "client_kwargs": {"endpoint_url": s3_endpoint}}},
         "cache": {"dir": str(tmp_path / "cache")},
+        # (a corrupt unit is retried, and again at the pass end: real backoffs would cost ~12 s here)
+        "sampler": {"backoff_s": 0.001, "backoff_max_s": 0.01},
     }))
     return config_path
 
