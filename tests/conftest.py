@@ -20,6 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 import s3fs
 
+from epochcache.cache.layout import CacheLayout
+from epochcache.cache.ledger import Ledger
+from epochcache.cache.shards import open_shard
 from epochcache.config import Config, load_config
 from epochcache.sync.daemon import SyncDaemon
 
@@ -77,6 +80,17 @@ def make_table(rows: int, start: int = 0, seed: int = 0) -> pa.Table:
     ids = np.arange(start, start + rows, dtype=np.int64)
     images = np.broadcast_to((ids % 251).astype(np.uint8)[:, None, None, None], (rows, *ITEM_SHAPE)).copy()
     return pa.table({"image": pa.FixedShapeTensorArray.from_numpy_ndarray(images), "id": pa.array(ids)})
+
+
+def cached_ids(cache_dir: str | Path) -> list[int]:
+    """The ``id`` of every row in the published shards of ``cache_dir`` (retiring ones included), in
+    the ledger's order: a sample cached twice is there twice."""
+    layout = CacheLayout(Path(cache_dir))
+    ledger = Ledger(layout.ledger)
+    try:
+        return [i for r in ledger.shards() for i in open_shard(layout.shards / r.filename)["id"].to_pylist()]
+    finally:
+        ledger.close()
 
 
 def write_parquet_dataset(

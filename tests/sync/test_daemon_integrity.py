@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import DaemonThread, FullDisk, wait_for, write_parquet_dataset
+from conftest import DaemonThread, FullDisk, cached_ids, wait_for, write_parquet_dataset
 
 from epochcache import Ledger, SyncDaemon
 from epochcache.cache.layout import CacheLayout
@@ -53,19 +53,6 @@ def _identity(ledger: Ledger) -> dict[str, Any]:
     identity = ledger.daemon.identity()
     assert identity is not None, "the cache is bound to a dataset"
     return identity
-
-
-def _cached_ids(config: Config) -> set[int]:
-    ledger = _ledger(config)
-    try:
-        layout = CacheLayout(Path(config.cache.dir))
-        ids: set[int] = set()
-        for record in ledger.shards():
-            with pa.memory_map(str(layout.shards / record.filename)) as source:
-                ids.update(pa.ipc.open_file(source).read_all().column("id").to_pylist())
-        return ids
-    finally:
-        ledger.close()
 
 
 def test_columns_changed_on_the_same_cache_dir_stop_with_one_line(
@@ -181,7 +168,7 @@ def test_a_corrupt_object_is_skipped_with_its_reason_and_the_pass_goes_on(
     report = SyncDaemon(config, progress=False).run(once=True)
 
     assert report.reason.value == "remote exhausted"
-    assert _cached_ids(config) == set(range(9 * 64)) - set(range(4 * 64, 5 * 64))
+    assert set(cached_ids(config.cache.dir)) == set(range(9 * 64)) - set(range(4 * 64, 5 * 64))
     assert report.units_unread == 2  # both row groups of part-004, read again at the pass end and failed again
     ledger = _ledger(config)
     skipped = ledger.daemon.skipped()
@@ -205,7 +192,7 @@ def test_zero_row_units_are_skipped_and_null_rows_dropped(
     report = SyncDaemon(config, progress=False).run(once=True)
 
     assert report.rows_dropped == 2
-    assert _cached_ids(config) == set(range(64)) | set(range(128, 192)) | {1000, 1002}
+    assert set(cached_ids(config.cache.dir)) == set(range(64)) | set(range(128, 192)) | {1000, 1002}
     ledger = _ledger(config)
     assert all(record.rows > 0 for record in ledger.shards())
     assert {key for key in ledger.daemon.skipped()} == {f"{remote}/part-001.parquet#0", f"{remote}/part-001.parquet#1"}
@@ -227,7 +214,7 @@ def test_a_damaged_parquet_footer_among_nine_is_skipped_by_sync_once(
         "max_bytes": "50MB", "shard_bytes": "200KB"}}, "sampler": {"backoff_s": 0.001, "backoff_max_s": 0.01}}))
     done = subprocess.run([sys.executable, "-m", "epochcache", "sync", "-c", str(config_file), "--once",
                            "--no-progress"], capture_output=True, text=True, timeout=120)
-    assert _cached_ids(config) == set(range(9 * 64)) - set(range(6 * 64, 7 * 64)), done.stderr
+    assert set(cached_ids(config.cache.dir)) == set(range(9 * 64)) - set(range(6 * 64, 7 * 64)), done.stderr
     assert done.returncode == 3, done.stderr  # completed, but units were skipped and not read again
     ledger = _ledger(config)
     assert [info["path"] for info in ledger.daemon.skipped().values()] == [paths[6]]
@@ -245,7 +232,7 @@ def test_a_ledger_that_keeps_filling_its_disk_does_not_stop_the_daemon(
     report = SyncDaemon(config, progress=False, connect=disk.connect).run(once=True)
     assert disk.refused >= 3, f"{disk.refused} of {disk.writes} writes refused"
     assert report.samples_published == 4 * 64
-    assert sorted(_cached_ids(config)) == list(range(4 * 64))
+    assert sorted(cached_ids(config.cache.dir)) == list(range(4 * 64))
 
 
 def test_configuration_errors_still_stop_the_daemon(tmp_path: Path, make_config: Callable[..., Config]) -> None:

@@ -10,13 +10,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_parquet_dataset
+from conftest import cached_ids, write_parquet_dataset
 from pydantic import ValidationError
 
 from epochcache import Ledger, SyncDaemon
 from epochcache.cache.layout import CacheLayout
 from epochcache.cache.publisher import EPOCH_FILL
-from epochcache.cache.shards import open_shard
 from epochcache.config import Config, SamplerConfig
 from epochcache.sources import RemoteObject, Unit
 from epochcache.sources.parquet import ParquetSource
@@ -54,15 +53,6 @@ def test_the_slices_of_a_unit_partition_its_rows_the_same_way_everywhere() -> No
     assert Slicer().units([unit], 5) == [unit] and Slicer().rows(unit, table) is table, "1 part: whole units"
 
 
-def _cached_ids(config: Config) -> list[int]:
-    layout = CacheLayout(Path(config.cache.dir))
-    ledger = Ledger(layout.ledger)
-    try:
-        return [i for r in ledger.shards() for i in open_shard(layout.shards / r.filename)["id"].to_pylist()]
-    finally:
-        ledger.close()
-
-
 def test_each_pass_caches_one_slice_and_the_passes_together_every_row_once(
     tmp_path: Path, make_config: Callable[..., Config]
 ) -> None:
@@ -71,10 +61,10 @@ def test_each_pass_caches_one_slice_and_the_passes_together_every_row_once(
     config = make_config(root, **{"cache.max_bytes": "50MB", "cache.shard_bytes": "200KB",
                                   "sampler.row_fraction": 0.5})
     first = SyncDaemon(config, progress=False).run(once=True)
-    after_one = _cached_ids(config)
+    after_one = cached_ids(config.cache.dir)
     assert 0.35 * 1024 < len(after_one) < 0.65 * 1024 and first.samples_published == len(after_one)
     SyncDaemon(config, progress=False).run(once=True)  # the next pass: the other slice
-    ids = _cached_ids(config)
+    ids = cached_ids(config.cache.dir)
     assert sorted(ids) == list(range(1024)), "every row once over two passes"
 
 
@@ -109,7 +99,7 @@ def test_auto_slices_a_remote_larger_than_the_budget(tmp_path: Path, make_config
     config = make_config(str(root), **{"cache.max_bytes": "7MB", "cache.shard_bytes": "256KB",
                                        "sampler.row_fraction": "auto", "sampler.mix_units": "auto"})
     report = SyncDaemon(config, progress=False).run(once=True)
-    ids = _cached_ids(config)
+    ids = cached_ids(config.cache.dir)
     assert len(ids) == len(set(ids)) and 0.35 * 128 < len(ids) < 0.65 * 128, "1/2 of each unit's rows"
     # Half of each 16-row group (none is empty but with odds of 2**-16), where whole groups fill it at 6.
     assert len({i // 16 for i in ids}) == 8, "a slice of every row group"
@@ -175,4 +165,4 @@ def test_auto_slices_by_the_size_as_cached_not_as_stored(
     assert {unit.rsplit("#", 1)[0] for unit in units} == {str(tmp_path / "remote" / f"part-{n}.parquet")
                                                         for n in range(4)}
     assert len({unit.rsplit("~", 1)[0] for unit in units}) == 8, "a slice of every row group"
-    assert all("~" in unit for unit in units) and len(_cached_ids(config)) < 0.5 * 512
+    assert all("~" in unit for unit in units) and len(cached_ids(config.cache.dir)) < 0.5 * 512

@@ -10,14 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pytest
 import yaml
-from conftest import write_parquet_dataset
+from conftest import cached_ids, write_parquet_dataset
 from dist_launch import launch
-
-from epochcache import Ledger
-from epochcache.cache.layout import CacheLayout
 
 FILES, ROWS = 8, 40
 
@@ -43,25 +39,12 @@ def _sync_nodes(tmp_path: Path, url: str, endpoint: str, splits: list[tuple[int,
     return caches
 
 
-def _cached_ids(cache: str) -> list[int]:
-    layout = CacheLayout(Path(cache))
-    ledger = Ledger(layout.ledger)
-    try:
-        ids: list[int] = []
-        for record in ledger.shards():
-            with pa.memory_map(str(layout.shards / record.filename)) as source:
-                ids.extend(pa.ipc.open_file(source).read_all().column("id").to_pylist())
-        return ids
-    finally:
-        ledger.close()
-
-
 def test_two_nodes_daemons_fetch_the_remote_once_between_them(
     s3: Any, bucket: str, s3_endpoint: str, tmp_path: Path,
 ) -> None:
     write_parquet_dataset(s3, f"{bucket}/data", FILES, ROWS, 20)
     caches = _sync_nodes(tmp_path, f"s3://{bucket}/data", s3_endpoint, [(0, 2), (1, 2)])
-    first, second = (_cached_ids(cache) for cache in caches)
+    first, second = (cached_ids(cache) for cache in caches)
     assert first and second, "each node fetched its share"
     assert not set(first) & set(second), "no sample fetched by both nodes"
     assert sorted(first + second) == list(range(FILES * ROWS)), "together they cover the remote, each sample once"
