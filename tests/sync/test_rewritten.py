@@ -90,3 +90,18 @@ def test_old_rows_held_by_a_running_epoch_stay_out_of_later_epochs_across_a_rest
     assert _epoch_ids(remote) == expected, "the next epoch: the new rows, the old ones left out"
     SyncDaemon(remote, progress=False).run(once=True)  # a restart returns unfinished retirements to snapshots...
     assert _epoch_ids(remote) == expected, "...but not shards of outdated rows"
+
+
+def test_an_unchanged_or_shrunk_remote_retires_nothing(remote: Config, s3: Any, bucket: str) -> None:
+    """Only a rewrite retires: rows of a deleted object are a sample the remote had, and retiring the
+    shards holding them would read their shard-mates again (a shard mixes units of many objects)."""
+    layout = CacheLayout(Path(remote.cache.dir))
+    ledger = Ledger(layout.ledger)
+    try:
+        before = {r.id for r in ledger.shards()}
+        SyncDaemon(remote, progress=False).run(once=True)
+        s3.rm(f"{bucket}/data/part-2.parquet")
+        SyncDaemon(remote, progress=False).run(once=True)
+        assert {r.id for r in ledger.shards()} == before and "outdated" not in ledger.counters()
+    finally:
+        ledger.close()
