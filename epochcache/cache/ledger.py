@@ -67,7 +67,6 @@ Chooser = Callable[[Sequence[ShardRecord], int], Sequence[ShardRecord]]
 
 # The kv key of the ids of shards retired because the remote rewrote an object they hold rows of.
 _OUTDATED = "outdated"
-_ALL = 1 << 62  # bytes to free that every retiring shard together never reaches: all of them
 
 
 class Ledger:
@@ -311,7 +310,7 @@ class Ledger:
         with self.db.write() as con:
             con.executemany(f"UPDATE shards SET {FOLD}, state = 1 WHERE id = :id AND state = 0",
                             ({**clock(con), "id": sid} for sid in hit))
-            removed = [r for r in unleased_retiring(con, need=_ALL) if r.id in hit]
+            removed = [r for r in unleased_retiring(con, need=None) if r.id in hit]
             delete_shards(con, [r.id for r in removed])
             # (the list keeps the retiring shards of earlier rewrites: any evicted since are dropped from it)
             retiring = {sid for (sid,) in con.execute("SELECT id FROM shards WHERE state = 1")}

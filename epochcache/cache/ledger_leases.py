@@ -169,9 +169,9 @@ def end_ended_leases(con: sqlite3.Connection) -> int:
     return len(ended)
 
 
-def unleased_retiring(con: sqlite3.Connection, need: int) -> list[ShardRecord]:
+def unleased_retiring(con: sqlite3.Connection, need: int | None) -> list[ShardRecord]:
     """The oldest retiring shards no live lease holds, the fewest that free ``need`` bytes (all of
-    them if they free less). One statement walks the retiring shards by index and skips the held
+    them if they free less, or ``need`` is None). One statement walks the retiring shards by index and skips the held
     ones (each live lease's excluded rows read once), and only the records taken are decoded: the
     daemon asks this at every poll while leases hold its evictions back, whatever the cache's size."""
     live = live_leases(con)

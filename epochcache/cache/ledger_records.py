@@ -95,12 +95,13 @@ def by_age(record: ShardRecord) -> tuple[float, str]:
     return record.created, record.id
 
 
-def take_until(ordered: Iterable[ShardRecord], need: int) -> list[ShardRecord]:
-    """The shortest prefix of ``ordered`` whose bytes reach ``need`` (all of it if they never do)."""
+def take_until(ordered: Iterable[ShardRecord], need: int | None) -> list[ShardRecord]:
+    """The shortest prefix of ``ordered`` whose bytes reach ``need`` (all of it if they never do, or
+    ``need`` is None)."""
     taken: list[ShardRecord] = []
     freed = 0
     for record in ordered:
-        if freed >= need:
+        if need is not None and freed >= need:
             break
         taken.append(record)
         freed += record.nbytes
