@@ -48,11 +48,16 @@ class ParquetSource(FileSource):
         self._metadata = functools.lru_cache(maxsize=_FOOTER_CACHE)(self._read_metadata)
 
     def units(self, obj: RemoteObject) -> list[Unit]:
+        """The object's row groups; each one's ``nbytes`` counts the wanted columns only (what its read
+        fetches and decodes), so the daemon's bounds on bytes in flight and per shard judge them right."""
         metadata = self._metadata(obj)
+        leaves = None if self.columns is None else _leaf_columns(metadata, self.columns)
         units, offset = [], 0
         for index in range(metadata.num_row_groups):
             group = metadata.row_group(index)
-            units.append(Unit(obj, index, group.num_rows, offset, group.total_byte_size))
+            nbytes = group.total_byte_size if leaves is None else sum(
+                group.column(leaf).total_uncompressed_size for leaf in leaves)
+            units.append(Unit(obj, index, group.num_rows, offset, nbytes))
             offset += group.num_rows
         return units
 

@@ -47,7 +47,8 @@ class Stream:
         """All the unit's rows, as read (its slice is cut by :class:`~epochcache.sync.intake.Intake`);
         raises :class:`CorruptObjectError` for a unit of 0 rows (skipped: a shard never holds 0 rows),
         :class:`OversizeUnitError` for one over ``largest_unit`` bytes: by its metadata's size before
-        it is fetched when every column is read (that size counts them all), else by its rows once read."""
+        it is fetched when every column is read (with ``columns``, the size a source knows beforehand may
+        count what is not kept: a WebDataset tar's fields), else by its rows once read."""
         if self.largest_unit is not None and self.config.columns is None and unit.nbytes > self.largest_unit:
             raise self._oversize(unit, unit.nbytes, "by its metadata")
         table = self.source.read(unit)

@@ -389,3 +389,14 @@ def test_unselected_middle_columns_are_not_downloaded(
     assert back.column("c").equals(table.column("c"))
     assert len(spy.calls) == 2, "one GET per run of wanted chunks"
     assert spy.requested < obj.size * 0.7, (spy.requested, obj.size)  # column b (a third) left out
+
+
+def test_a_units_bytes_count_the_wanted_columns_only(tmp_path: Path) -> None:
+    """The daemon bounds its bytes in flight and refuses oversized units by ``Unit.nbytes``: a row group
+    whose wanted column is small must not be sized by its other columns."""
+    pq.write_table(make_table(2_000), tmp_path / "part.parquet", row_group_size=2_000, use_dictionary=False)
+    every = ParquetSource(str(tmp_path)).units(ParquetSource(str(tmp_path)).list_objects()[0])[0]
+    ids = ParquetSource(str(tmp_path), columns=["id"])
+    wanted = ids.units(ids.list_objects()[0])[0]
+    assert every.nbytes > 1_000_000
+    assert 16_000 <= wanted.nbytes < 40_000, "2,000 int64 ids, plainly encoded, and their page headers"
