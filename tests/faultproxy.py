@@ -65,6 +65,7 @@ class FaultProxy:
         self._random = random.Random(seed)
         self.faults: Counter[str] = Counter()
         self.requests = 0
+        self.object_gets = 0  # GETs of an object (not listings), faulted or not
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -124,6 +125,7 @@ class FaultProxy:
             return
         method, target = head.split(b" ", 2)[:2]
         is_object_get = method == b"GET" and b"?" not in target
+        self.object_gets += is_object_get
         if is_object_get and target in self.deny:
             self.faults["deny"] += 1
             writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: "

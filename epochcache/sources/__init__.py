@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Source, Unit
 
 if TYPE_CHECKING:
-    from epochcache.config import SourceConfig
+    from epochcache.config import SamplerConfig, SourceConfig
     from epochcache.sources.arrow import ArrowSource
     from epochcache.sources.objects import ObjectSource
     from epochcache.sources.parquet import ParquetSource
@@ -40,23 +40,29 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'epochcache.sources' has no attribute {name!r}")
 
 
-def open_source(config: SourceConfig, request_timeout_s: float = 60.0, max_sample_bytes: int = 256 * 2**20) -> Source:
-    """Build the source that ``config.format`` names (validated by the config model), making one
-    attempt per request with ``request_timeout_s`` (retries are :mod:`epochcache.sources.retry`'s);
-    samples over ``max_sample_bytes`` (a tar member, an object) are refused as corrupt."""
+def open_source(config: SourceConfig, sampler: SamplerConfig | None = None) -> Source:
+    """Build the source that ``config.format`` names (validated by the config model), with the
+    daemon's read settings from ``sampler`` (defaults if None): one attempt per request within
+    ``request_timeout_s`` (retries are :mod:`epochcache.sources.retry`'s); samples over
+    ``max_sample_bytes`` (a tar member, an object) refused as corrupt; Arrow IPC and Parquet objects
+    up to ``whole_object_bytes`` read whole (:mod:`epochcache.sources.wholes`), at most
+    ``max_inflight_bytes`` of them held."""
+    from epochcache.config import SamplerConfig
     from epochcache.sources.arrow import ArrowSource
     from epochcache.sources.objects import ObjectSource
     from epochcache.sources.parquet import ParquetSource
     from epochcache.sources.retry import single_attempt_options
     from epochcache.sources.webdataset import WebDatasetSource
 
-    options = single_attempt_options(config.url, config.storage_options, request_timeout_s)
+    sampler = sampler or SamplerConfig()
+    options = single_attempt_options(config.url, config.storage_options, sampler.request_timeout_s)
+    largest = int(sampler.max_sample_bytes)
     if config.format == "objects":
         return ObjectSource(config.url, columns=config.columns, storage_options=options, labels=config.labels,
-                            max_sample_bytes=max_sample_bytes)
-    if config.format == "arrow":
-        return ArrowSource(config.url, columns=config.columns, storage_options=options)
+                            max_sample_bytes=largest)
     if config.format == "webdataset":
-        return WebDatasetSource(config.url, columns=config.columns, storage_options=options,
-                                max_sample_bytes=max_sample_bytes)
-    return ParquetSource(config.url, columns=config.columns, storage_options=options)
+        return WebDatasetSource(config.url, columns=config.columns, storage_options=options, max_sample_bytes=largest)
+    whole = {"whole_object_bytes": int(sampler.whole_object_bytes), "keep_bytes": int(sampler.max_inflight_bytes)}
+    if config.format == "arrow":
+        return ArrowSource(config.url, columns=config.columns, storage_options=options, **whole)
+    return ParquetSource(config.url, columns=config.columns, storage_options=options, **whole)

@@ -1,13 +1,18 @@
-"""Arrow IPC files (Feather v2) over any fsspec URL: units are record batches, one ranged GET each.
+"""Arrow IPC files (Feather v2) over any fsspec URL: units are record batches.
 
 Flow: ``list_objects`` lists ``*.arrow``/``*.feather``/``*.ipc`` under the URL; ``units`` reads the
-file's footer (one ranged GET of its tail, a second only for footers over 64 KiB; over a network the
-footer's bytes are read once more, see :meth:`RemoteFiles.confirm`), takes the schema
+file's footer (one ranged GET of its tail, a second only for footers over 64 KiB), takes the schema
 from it with pyarrow and the byte span of every record batch (its *Block*) from the footer's
-flatbuffer; ``read`` fetches one batch's span (metadata and body) in a single GET and decodes it
-with pyarrow, zero-copy. A row's key is ``<object path>:<batch>.<row in batch>``: the footer does
-not hold row counts, and reading every batch's metadata to number rows file-wide would cost a GET
-per batch before any data.
+flatbuffer; ``read`` decodes one batch's span (metadata and body) with pyarrow, zero-copy, from:
+
+- an object up to ``whole_object_bytes``: its whole bytes (:mod:`epochcache.sources.wholes`: one GET
+  for all its batches, checked against the store's checksum), with the footer found in them; the
+  footer read by ``units`` must agree, else it was damaged in transit (and is read again next pass);
+- a larger one: one ranged GET of the span (over a network the footer was read twice, see
+  :meth:`RemoteFiles.confirm`; the batch's bytes cannot be checked: Arrow IPC has no checksums).
+
+A row's key is ``<object path>:<batch>.<row in batch>``: the footer does not hold row counts, and
+reading every batch's metadata to number rows file-wide would cost a GET per batch before any data.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import RemoteObject, Unit
 from epochcache.sources.files import FileSource
 from epochcache.sources.remote import blank_image
+from epochcache.sources.wholes import KEEP_BYTES, WHOLE_OBJECT_BYTES, WholeObjects
 
 _SUFFIXES = (".arrow", ".feather", ".ipc")
 _MAGIC = b"ARROW1"
@@ -44,10 +50,12 @@ class ArrowSource(FileSource):
     kind = 'Arrow IPC'
 
     def __init__(
-        self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None
+        self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None,
+        whole_object_bytes: int = WHOLE_OBJECT_BYTES, keep_bytes: int = KEEP_BYTES,
     ) -> None:
         super().__init__(url, columns, storage_options)
         self._footer = functools.lru_cache(maxsize=_FOOTER_CACHE)(self._read_footer)
+        self._wholes = WholeObjects(self._remote, whole_object_bytes, keep_bytes)
 
     def units(self, obj: RemoteObject) -> list[Unit]:
         """One unit per record batch; ``rows`` is None (known once read), ``nbytes`` its body size."""
@@ -55,13 +63,29 @@ class ArrowSource(FileSource):
         return [Unit(obj, index, None, None, end - start) for index, (start, end) in enumerate(footer.blocks)]
 
     def read(self, unit: Unit) -> pa.Table:
+        if self._wholes.wanted(unit.obj):
+            data = self._wholes.bytes_of(unit.obj)
+            footer = self._parse_footer(unit.obj, memoryview(data))
+            if footer != self._footer(unit.obj):
+                # the footer the units were listed from was damaged in transit: listed afresh next pass
+                self._footer.cache_clear()
+            if unit.index >= len(footer.blocks):
+                raise CorruptObjectError(f"{unit.obj.path} has {len(footer.blocks)} record batches, not "
+                                         f"{unit.key}'s: its footer was damaged when first read")
+            start, end = footer.blocks[unit.index]
+            table = self._decode(unit, footer, data[start:end])
+            self._wholes.done(unit.obj, unit.index, len(footer.blocks))
+            return table
         footer = self._footer(unit.obj)
         start, end = footer.blocks[unit.index]
         # The batch streams into an anonymous mapping and is decoded in place: its columns are views
         # of the bytes as they came off the socket (no copy on the way).
         image = blank_image(end - start)
         self._remote.fetch_into(unit.obj, start, memoryview(image)[: end - start])
-        data = pa.py_buffer(image)[: end - start]
+        return self._decode(unit, footer, pa.py_buffer(image)[: end - start])
+
+    def _decode(self, unit: Unit, footer: _Footer, data: pa.Buffer) -> pa.Table:
+        """The record batch in ``data`` (its span: metadata and body) as the unit's keyed rows, zero-copy."""
         try:
             batch = pa.ipc.read_record_batch(pa.ipc.read_message(data), footer.schema)
             batch.validate(full=True)  # offsets, lengths, UTF-8: damage pyarrow would otherwise read past
@@ -76,18 +100,23 @@ class ArrowSource(FileSource):
         return self._keyed(table, f"{unit.obj.path}:{unit.index}.", 0)
 
     def _read_footer(self, obj: RemoteObject) -> _Footer:
+        """The footer from a GET of the object's tail, confirmed by a second read where the object's
+        whole read will not check it (a larger object over a network)."""
         tail_start = max(0, obj.size - _TAIL_BYTES)
         tail = self._remote.fetch(obj, tail_start, obj.size)
-        if len(tail) < 10 or tail[-6:] != _MAGIC:
-            raise CorruptObjectError(f"{obj.path} is not an Arrow IPC file (no ARROW1 magic at its end)")
-        length = int.from_bytes(tail[-10:-6], "little", signed=True)
-        if not 0 < length <= obj.size - 10:
-            raise CorruptObjectError(f"{obj.path} is not an Arrow IPC file (footer length {length} for "
-                                     f"{obj.size} bytes)")
+        length = _footer_length(obj, tail)
         if length + 10 > len(tail):
             tail = self._remote.fetch(obj, obj.size - length - 10, obj.size)
-        self._remote.confirm(obj, obj.size - length - 10, tail[len(tail) - 10 - length :])
-        footer = tail[len(tail) - 10 - length : -10]
+        if not self._wholes.wanted(obj):
+            self._remote.confirm(obj, obj.size - length - 10, tail[len(tail) - 10 - length :])
+        return self._parse_footer(obj, tail)
+
+    def _parse_footer(self, obj: RemoteObject, tail: bytes | memoryview) -> _Footer:
+        """The footer at the end of ``tail`` (the object's last bytes, the whole footer among them)."""
+        length = _footer_length(obj, tail)
+        if length + 10 > len(tail):
+            raise CorruptObjectError(f"{obj.path}: its Arrow IPC footer ({length} bytes) is longer than the file")
+        footer = tail[len(tail) - 10 - length : len(tail) - 10]
         try:
             # pyarrow reads the schema from the footer bytes framed as a file with no batches
             schema = pa.ipc.open_file(pa.py_buffer(_MAGIC + b"\0\0" + tail[len(tail) - 10 - length :])).schema
@@ -105,7 +134,18 @@ class ArrowSource(FileSource):
             raise SourceError(f"source.columns names {missing} absent from {path}: present are {schema.names}")
 
 
-def _record_blocks(footer: bytes) -> list[tuple[int, int, int]]:
+def _footer_length(obj: RemoteObject, tail: bytes | memoryview) -> int:
+    """The footer's length from the last 10 bytes of the object (``tail``'s end): its length, ARROW1."""
+    if len(tail) < 10 or bytes(tail[-6:]) != _MAGIC:
+        raise CorruptObjectError(f"{obj.path} is not an Arrow IPC file (no ARROW1 magic at its end)")
+    length = int.from_bytes(tail[-10:-6], "little", signed=True)
+    if not 0 < length <= obj.size - 10:
+        raise CorruptObjectError(f"{obj.path} is not an Arrow IPC file (footer length {length} for "
+                                 f"{obj.size} bytes)")
+    return length
+
+
+def _record_blocks(footer: bytes | memoryview) -> list[tuple[int, int, int]]:
     """The ``recordBatches`` vector (field 3) of the Footer flatbuffer: (offset, metaDataLength, bodyLength)."""
     table = int.from_bytes(footer[0:4], "little")
     vtable = table - int.from_bytes(footer[table : table + 4], "little", signed=True)

@@ -1,13 +1,18 @@
-"""Parquet over any fsspec URL: units are row groups, read with ranged GETs, never whole files.
+"""Parquet over any fsspec URL: units are row groups, read with ranged GETs or, for small objects, from one.
 
 Flow: ``list_objects`` lists ``*.parquet``/``*.parq`` under the URL (or the one file it names);
 ``units`` reads an object's footer (one ranged GET of its tail, a second only for footers over
-64 KiB; over a network the footer's bytes are read once more, see :meth:`RemoteFiles.confirm`) and
-caches the parsed metadata; ``read`` fetches the wanted column chunks of one row group,
-one ranged GET per run of neighbouring chunks (a single GET when all columns are wanted), each body
-streamed into place in a file-offset image of the object, and decodes them with pyarrow from
-there, verifying page CRCs where the file has them (written with
-``write_page_checksum=True``): a damaged unit raises :class:`CorruptObjectError`, never wrong rows.
+64 KiB) and caches the parsed metadata; ``read`` decodes one row group with pyarrow, verifying page
+CRCs where the file has them (written with ``write_page_checksum=True``): a damaged unit raises
+:class:`CorruptObjectError`, never wrong rows. The bytes come from:
+
+- with every column read, an object up to ``whole_object_bytes``: its whole bytes
+  (:mod:`epochcache.sources.wholes`: one GET for all its row groups, checked against the store's
+  checksum), decoded with the footer found in them; the footer read by ``units`` must agree, else it
+  was damaged in transit (and is read again next pass);
+- else the wanted column chunks of the row group, one ranged GET per run of neighbouring chunks (a
+  single GET when all columns are wanted), each body streamed into place in a file-offset image of
+  the object (over a network the footer was read twice, see :meth:`RemoteFiles.confirm`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from epochcache.sources.base import RemoteObject, Unit
 from epochcache.sources.files import FileSource
 from epochcache.sources.pool import release_unused
 from epochcache.sources.remote import blank_image
+from epochcache.sources.wholes import KEEP_BYTES, WHOLE_OBJECT_BYTES, WholeObjects
 
 _SUFFIXES = (".parquet", ".parq")
 # pyarrow reads this much of the tail in its first footer read; serving it from one GET keeps
@@ -42,10 +48,12 @@ class ParquetSource(FileSource):
     kind = 'Parquet'
 
     def __init__(
-        self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None
+        self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None,
+        whole_object_bytes: int = WHOLE_OBJECT_BYTES, keep_bytes: int = KEEP_BYTES,
     ) -> None:
         super().__init__(url, columns, storage_options)
         self._metadata = functools.lru_cache(maxsize=_FOOTER_CACHE)(self._read_metadata)
+        self._wholes = WholeObjects(self._remote, whole_object_bytes, keep_bytes)
 
     def units(self, obj: RemoteObject) -> list[Unit]:
         """The object's row groups; each one's ``nbytes`` counts the wanted columns only (what its read
@@ -67,6 +75,8 @@ class ParquetSource(FileSource):
         # Decodes allocate from the default pool (mimalloc), which keeps what a thread allocated, and
         # the daemon has since let go, for that thread: handed back here, before this thread's next.
         release_unused()
+        if self._whole(unit.obj):
+            return self._read_whole(unit)
         metadata = self._metadata(unit.obj)
         runs = self._byte_ranges(metadata, unit)
         # The file's bytes up to the unit's last one, at their offsets, in an anonymous mapping:
@@ -76,11 +86,26 @@ class ParquetSource(FileSource):
         view = memoryview(image)
         for start, end in runs:
             self._remote.fetch_into(unit.obj, start, view[start:end])
-        f = pa.BufferReader(pa.py_buffer(view))
+        return self._decode(unit, pa.py_buffer(view), metadata)
+
+    def _read_whole(self, unit: Unit) -> pa.Table:
+        """The row group decoded from the object's whole bytes, with the footer in them (checked
+        whole): the one the units were listed from must agree, else it was damaged in transit."""
+        data = self._wholes.bytes_of(unit.obj)
+        metadata = _footer(unit.obj.path, pa.BufferReader(data))
+        if not metadata.equals(self._metadata(unit.obj)):
+            self._metadata.cache_clear()  # listed afresh next pass
+        table = self._decode(unit, data, metadata)
+        self._wholes.done(unit.obj, unit.index, metadata.num_row_groups)
+        return table
+
+    def _decode(self, unit: Unit, data: pa.Buffer, metadata: pq.FileMetaData) -> pa.Table:
+        """The unit's row group, keyed, from ``data`` (the file's bytes at their offsets)."""
         try:
             # pre_buffer/use_threads off: the bytes are in memory already, and no pyarrow I/O or CPU
             # pool thread may outlive the read (one alive at interpreter exit aborts it: exit 134)
-            reader = pq.ParquetFile(f, metadata=metadata, pre_buffer=False, page_checksum_verification=True)
+            reader = pq.ParquetFile(pa.BufferReader(data), metadata=metadata, pre_buffer=False,
+                                    page_checksum_verification=True)
             table = reader.read_row_group(unit.index, columns=self.columns, use_threads=False)
         except (pa.ArrowInvalid, OSError, ValueError, IndexError) as exc:
             # the footer may be what is damaged (it has no checksum): read it afresh on the retry
@@ -89,6 +114,10 @@ class ParquetSource(FileSource):
                                      f"{' '.join(str(exc).split())}") from exc
         first = sum(metadata.row_group(i).num_rows for i in range(unit.index))
         return self._keyed(table, f"{unit.obj.path}:", first)
+
+    def _whole(self, obj: RemoteObject) -> bool:
+        """Whether ``obj`` is read whole: every column is wanted, and it is small enough."""
+        return self.columns is None and self._wholes.wanted(obj)
 
     def _read_metadata(self, obj: RemoteObject) -> pq.FileMetaData:
         tail_start = max(0, obj.size - _TAIL_BYTES)
@@ -102,11 +131,9 @@ class ParquetSource(FileSource):
         if needed > len(tail):
             tail_start = obj.size - needed
             tail = self._remote.fetch(obj, tail_start, obj.size)
-        self._remote.confirm(obj, obj.size - needed, tail[len(tail) - needed :])
-        try:
-            metadata = pq.read_metadata(_buffered(obj.path, obj.size, {(tail_start, obj.size): tail}))
-        except (pa.ArrowInvalid, OSError, ValueError, IndexError) as exc:
-            raise CorruptObjectError(f"{obj.path}: unreadable Parquet footer: {' '.join(str(exc).split())}") from exc
+        if not self._whole(obj):
+            self._remote.confirm(obj, obj.size - needed, tail[len(tail) - needed :])
+        metadata = _footer(obj.path, _buffered(obj.path, obj.size, {(tail_start, obj.size): tail}))
         self._check_columns(obj.path, metadata)
         return metadata
 
@@ -145,6 +172,14 @@ class ParquetSource(FileSource):
                 runs.append((start, end))
         return runs
 
+
+
+def _footer(path: str, file: pa.BufferReader | AlreadyBufferedFile) -> pq.FileMetaData:
+    """The metadata in the footer at the end of ``file``; :class:`CorruptObjectError` if unreadable."""
+    try:
+        return pq.read_metadata(file)
+    except (pa.ArrowInvalid, OSError, ValueError, IndexError) as exc:
+        raise CorruptObjectError(f"{path}: unreadable Parquet footer: {' '.join(str(exc).split())}") from exc
 
 
 def _buffered(path: str, size: int, parts: dict[tuple[int, int], bytes]) -> AlreadyBufferedFile:

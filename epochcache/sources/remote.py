@@ -138,7 +138,7 @@ class RemoteFiles:
             self.fs.retries = 1
         protocols = _protocols(self.fs)
         self.is_s3 = "s3" in protocols
-        self._local = bool({"file", "local"} & set(protocols))
+        self.local = bool({"file", "local"} & set(protocols))
         self._etags_are_md5 = True  # until the store shows otherwise (see _s3_read)
         self._if_match = True  # until the store refuses an unchanged object's ETag (see _get_object)
         self._read_any = False  # a read of this source succeeded: a refused object is that object's, not ours
@@ -159,7 +159,7 @@ class RemoteFiles:
         """Check bytes no checksum guards (a Parquet or Arrow footer, which every later read of the
         object trusts) by reading them again: over a network the two reads must agree, else
         :class:`CorruptObjectError` (retried). Local files are not re-read: no transit to damage them."""
-        if not self._local and self.fetch(obj, start, start + len(data)) != data:
+        if not self.local and self.fetch(obj, start, start + len(data)) != data:
             raise CorruptObjectError(f"{self._url(obj.path)} bytes {start}-{start + len(data)}: two reads of its "
                                      "metadata differ: damaged in transit")
 
@@ -207,7 +207,7 @@ class RemoteFiles:
             return into[:got]
         if self.is_s3:
             data = self._s3_read(obj, start, end, whole)
-        elif self._local:
+        elif self.local:
             self._check_local(obj)
             data = bytes(self.fs.cat_file(obj.path, start=start, end=end))
             self._check_local(obj)

@@ -114,12 +114,10 @@ class SyncDaemon:
             try:
                 if until_written(lambda: reconcile(self.layout, ledger), stop, "start") is None:
                     return SyncReport()  # stopped before it began
-                timeout = self.config.sampler.request_timeout_s
-                largest = int(self.config.sampler.max_sample_bytes)
                 # (the ledger's share is taken at the start: it grows a little as the cache fills, and
                 # the publisher's own check stays the last word)
                 unit_room = int(self.config.cache.max_bytes) - ledger.disk_bytes() - PUBLISH_GROWTH
-                streams = [Stream(cfg, open_source(cfg, timeout, largest), largest_unit=unit_room)
+                streams = [Stream(cfg, open_source(cfg, self.config.sampler), largest_unit=unit_room)
                            for cfg in self.config.sources]
                 return _Run(self, ledger, streams, stop, once).execute()
             finally:

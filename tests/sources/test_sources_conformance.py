@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import make_table
 
-from epochcache.config import SourceConfig
+from epochcache.config import SamplerConfig, SourceConfig
 from epochcache.errors import CorruptObjectError, ObjectMissingError, SourceError
 from epochcache.sources import KEY_COLUMN, RemoteObject, Source, open_source
 
@@ -132,9 +132,10 @@ def dataset(fmt: Format, where: tuple[Any, str, dict[str, Any]]) -> tuple[Any, s
     return fs, root, options
 
 
-def _source(fmt: Format, dataset: tuple[Any, str, dict[str, Any]], **kwargs: Any) -> Source:
+def _source(fmt: Format, dataset: tuple[Any, str, dict[str, Any]], sampler: SamplerConfig | None = None,
+            **kwargs: Any) -> Source:
     fs, root, options = dataset
-    return open_source(SourceConfig(url=_url(fs, root), format=fmt.name, storage_options=options, **kwargs))
+    return open_source(SourceConfig(url=_url(fs, root), format=fmt.name, storage_options=options, **kwargs), sampler)
 
 
 def test_lists_only_its_objects_sorted(fmt: Format, dataset: tuple[Any, str, dict[str, Any]]) -> None:
@@ -185,7 +186,7 @@ def test_column_selection(fmt: Format, dataset: tuple[Any, str, dict[str, Any]])
 def test_reads_are_few_ranged_gets(
     fmt: Format, dataset: tuple[Any, str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    source = _source(fmt, dataset)
+    source = _source(fmt, dataset, SamplerConfig(whole_object_bytes=0))
     obj = source.list_objects()[0]
     counter = CallCounter(source._remote._read)  # type: ignore[attr-defined]
     monkeypatch.setattr(source._remote, "_read", counter)  # type: ignore[attr-defined]
@@ -197,6 +198,31 @@ def test_reads_are_few_ranged_gets(
     assert counter.calls - before[0] == 1, "one ranged GET per unit"
     if fmt.units_per_object > 1:
         assert counter.requested - before[1] < obj.size / 2, "a unit, never the whole object"
+
+
+def test_small_objects_are_read_whole_in_one_get(
+    fmt: Format, dataset: tuple[Any, str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if fmt.name not in ("parquet", "arrow"):
+        pytest.skip("tars and one-sample objects are read whole whatever their size")
+    remote = _url(*dataset[:2]) != dataset[1]
+    source = _source(fmt, dataset)
+    obj = source.list_objects()[0]
+    counter = CallCounter(source._remote._read)  # type: ignore[attr-defined]
+    monkeypatch.setattr(source._remote, "_read", counter)  # type: ignore[attr-defined]
+    units = source.units(obj)
+    assert counter.calls == 1, "the footer is read once: the whole object's checksum covers it"
+    tail = counter.requested
+    tables = [source.read(unit) for unit in units]
+    if remote:
+        assert counter.calls == 2, "one GET serves every unit"
+        assert counter.requested - tail == obj.size + 1, "the object, and one byte past it (growth is seen)"
+    else:
+        assert counter.calls == 1 + len(units), "a local file is read in ranges: nothing to save or check"
+    ranged = _source(fmt, dataset, SamplerConfig(whole_object_bytes=0))
+    assert all(table.equals(ranged.read(unit)) for unit, table in zip(units, tables, strict=True))
+    source.read(units[0])  # every unit was read, so the object was let go: fetched again
+    assert counter.calls == (3 if remote else 2 + len(units))
 
 
 def test_a_missing_object_is_object_missing(fmt: Format, dataset: tuple[Any, str, dict[str, Any]]) -> None:
@@ -330,13 +356,23 @@ def test_hostile_truncated_object(fmt: Format, dataset: tuple[Any, str, dict[str
     _assert_exact_or_corrupt(fmt, got, fmt.rows_per_object)
 
 
-def test_hostile_object_rewritten_mid_pass(fmt: Format, dataset: tuple[Any, str, dict[str, Any]]) -> None:
+@pytest.mark.parametrize("whole", [False, True], ids=["ranged", "whole"])
+def test_hostile_object_rewritten_mid_pass(fmt: Format, dataset: tuple[Any, str, dict[str, Any]], whole: bool) -> None:
+    """Every unit read is of the listed version: refused once the object changed, or, where the
+    first unit's read fetched the whole object (small, remote), served from that version's bytes."""
     fs, root, _ = dataset
-    source = _source(fmt, dataset)
+    held = whole and fmt.name in ("arrow", "parquet") and _url(fs, root) != root
+    source = _source(fmt, dataset, SamplerConfig(whole_object_bytes=8 * 2**20 if whole else 0))
     obj = source.list_objects()[-1]
     units = source.units(obj)
-    assert source.read(units[0]).num_rows > 0
+    first = source.read(units[0])
+    listed = [fmt.ids(first)] + [fmt.ids(source.read(unit)) for unit in units[1:]] if held else []
+    source = _source(fmt, dataset, SamplerConfig(whole_object_bytes=8 * 2**20 if whole else 0))
+    first = source.read(units[0])
     fs.pipe(obj.path, fs.cat_file(source.list_objects()[0].path) + b"\0" * 4096)  # another object's bytes
+    if held:
+        assert [fmt.ids(first)] + [fmt.ids(source.read(unit)) for unit in units[1:]] == listed
+        return
     for unit in units:
         with pytest.raises(ObjectMissingError, match="changed since it was listed"):
             source.read(unit)
@@ -344,9 +380,9 @@ def test_hostile_object_rewritten_mid_pass(fmt: Format, dataset: tuple[Any, str,
 
 def test_hostile_bit_flips(fmt: Format, s3: Any, bucket: str, s3_endpoint: str) -> None:
     """Through the fault proxy, 30% of object GETs come back with one bit flipped; with retries every
-    unit reads exactly as written (or, out of attempts, is corrupt): never a flipped row."""
-    if fmt.name == "arrow":
-        pytest.skip("Arrow IPC has no checksum and S3 none of a byte range: a flipped payload bit is undetectable")
+    unit reads exactly as written (or, out of attempts, is corrupt): never a flipped row. (Arrow IPC has
+    no checksum of its own: its small objects are read whole, checked by their MD5 ETag; a larger
+    one's ranged reads cannot be checked, S3 has no checksum of a byte range.)"""
     from faultproxy import FaultProxy
 
     from epochcache.sources.retry import Retrier

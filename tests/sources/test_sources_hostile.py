@@ -364,12 +364,14 @@ def test_a_store_whose_etags_are_not_md5s_is_read_and_said_so(
 
 
 @pytest.mark.parametrize("store", ["honours If-Match", "ignores If-Match"])
+@pytest.mark.parametrize("whole", [False, True], ids=["ranged", "whole"])
 def test_an_object_rewritten_just_before_its_get_is_skipped_not_cut(
-    tmp_path: Path, s3: Any, bucket: str, s3_endpoint: str, store: str
+    tmp_path: Path, s3: Any, bucket: str, s3_endpoint: str, store: str, whole: bool
 ) -> None:
-    """The proxy rewrites the object (twice as long) between the footer read and a row group's GET,
-    as a racing writer would: the pinned GET answers 412 or, from a store that ignores If-Match, the
-    new version, whose ETag the reply names; either way the unit is skipped for this pass."""
+    """The proxy rewrites the object (twice as long) between the footer read and a row group's GET
+    (ranged reads), or the GET of the whole object (a small one, read whole), as a racing writer
+    would: the pinned GET answers 412 or, from a store that ignores If-Match, the new version, whose
+    ETag the reply names; either way the unit is skipped for this pass."""
     from faultproxy import FaultProxy
 
     original = _parquet(tmp_path / "a.parquet")
@@ -377,10 +379,12 @@ def test_an_object_rewritten_just_before_its_get_is_skipped_not_cut(
     proxy = FaultProxy(s3_endpoint, rate=0.0, ignore_if_match=store == "ignores If-Match")
     try:
         options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url}}
-        source = ParquetSource(f"s3://{bucket}/race", storage_options=options)
+        source = ParquetSource(f"s3://{bucket}/race", storage_options=options,
+                               whole_object_bytes=len(original) if whole else 0)
         (obj,) = source.list_objects()
         units = source.units(obj)
-        assert source.read(units[0]).num_rows == 32
+        if not whole:
+            assert source.read(units[0]).num_rows == 32
         proxy.rewrite_on_get(f"/{bucket}/race/part.parquet", lambda: s3.pipe(f"{bucket}/race/part.parquet",
                                                                                original + original))
         with pytest.raises(ObjectMissingError, match="changed since it was listed"):

@@ -274,7 +274,8 @@ def test_read_fetches_a_small_part_of_a_large_file(
     )
     with s3.open(f"{bucket}/big/data.parquet", "wb") as f:
         pq.write_table(table, f, row_group_size=rows // 8)
-    source = ParquetSource(f"s3://{bucket}/big", storage_options=s3_options)
+    # (a file over whole_object_bytes: read in ranges)
+    source = ParquetSource(f"s3://{bucket}/big", storage_options=s3_options, whole_object_bytes=0)
     (obj,) = source.list_objects()
 
     spy = RangeSpy(source._remote._read)
@@ -291,8 +292,9 @@ def test_read_fetches_a_small_part_of_a_large_file(
 
 
 def test_footer_is_read_once_per_object(
-    s3_source: ParquetSource, monkeypatch: pytest.MonkeyPatch
+    s3_dataset: list[str], bucket: str, s3_options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    s3_source = ParquetSource(f"s3://{bucket}/data", storage_options=s3_options, whole_object_bytes=0)  # ranges
     obj = s3_source.list_objects()[0]
     spy = RangeSpy(s3_source._remote._read)
     monkeypatch.setattr(s3_source._remote, "_read", spy)

@@ -1,0 +1,156 @@
+"""WholeObjects (small objects read whole) and the daemon reading a remote of small Arrow IPC objects."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from conftest import cached_ids, make_table
+
+from epochcache import SyncDaemon
+from epochcache.config import Config
+from epochcache.sources import RemoteObject
+from epochcache.sources.wholes import WholeObjects
+
+
+class GatedRemote:
+    """A remote whose whole reads wait for ``gate`` (injection: a slow GET) and can fail; counts them."""
+
+    url, local = "s3://gated", False
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.calls = 0
+        self.fail: BaseException | None = None
+
+    def fetch_whole(self, obj: RemoteObject) -> bytes:
+        self.calls += 1
+        self.gate.wait(10)
+        if self.fail is not None:
+            raise self.fail
+        return obj.path.encode() * (obj.size // len(obj.path))
+
+
+def _obj(name: str, size: int = 1000) -> RemoteObject:
+    return RemoteObject(f"bucket/{name}", size, f'"{name}"')
+
+
+def test_readers_of_one_object_share_one_fetch() -> None:
+    remote = GatedRemote()
+    wholes = WholeObjects(remote)  # type: ignore[arg-type]
+    obj = _obj("a")
+    with ThreadPoolExecutor(4) as pool:
+        reads = [pool.submit(wholes.bytes_of, obj) for _ in range(4)]
+        remote.gate.set()
+        got = [read.result(timeout=10) for read in reads]
+    assert remote.calls == 1
+    assert all(data.equals(got[0]) for data in got) and got[0].to_pybytes().startswith(b"bucket/a")
+
+
+def test_a_failed_fetch_fails_its_waiters_and_is_fetched_again() -> None:
+    remote = GatedRemote()
+    remote.fail = TimeoutError("slow store")
+    wholes = WholeObjects(remote)  # type: ignore[arg-type]
+    obj = _obj("a")
+    with ThreadPoolExecutor(2) as pool:
+        reads = [pool.submit(wholes.bytes_of, obj) for _ in range(2)]
+        remote.gate.set()
+        for read in reads:
+            with pytest.raises(TimeoutError, match="slow store"):
+                read.result(timeout=10)
+    assert wholes.held_bytes() == 0
+    remote.fail = None
+    assert wholes.bytes_of(obj).size == 1000 and remote.calls == 2
+
+
+def test_an_object_is_let_go_once_each_unit_was_read() -> None:
+    remote = GatedRemote()
+    remote.gate.set()
+    wholes = WholeObjects(remote)  # type: ignore[arg-type]
+    obj = _obj("a")
+    wholes.bytes_of(obj)
+    wholes.done(obj, 0, 2)
+    wholes.done(obj, 0, 2)  # the same unit again (another slice of it) does not count twice
+    assert wholes.held_bytes() == 1000
+    wholes.done(obj, 1, 2)
+    assert wholes.held_bytes() == 0 and wholes.wanted(obj), "let go, and read whole again if wanted"
+    wholes.bytes_of(obj)
+    assert remote.calls == 2
+
+
+def test_objects_let_go_for_room_are_read_in_ranges_until_a_new_version(caplog: pytest.LogCaptureFixture) -> None:
+    remote = GatedRemote()
+    remote.gate.set()
+    wholes = WholeObjects(remote, most_bytes=1000, keep_bytes=2500)  # type: ignore[arg-type]
+    objects = [_obj(name) for name in "abc"]
+    with caplog.at_level(logging.WARNING, logger="epochcache.sources.wholes"):
+        for obj in objects:
+            wholes.bytes_of(obj)
+    assert wholes.held_bytes() == 2000, "the oldest let go: at most keep_bytes held"
+    assert not wholes.wanted(objects[0]) and wholes.wanted(objects[1]) and wholes.wanted(objects[2])
+    assert wholes.wanted(RemoteObject(objects[0].path, 1000, '"rewritten"')), "a new version is read whole"
+    assert [r for r in caplog.records if "max_inflight_bytes" in r.getMessage()]
+    assert not wholes.wanted(_obj("big", 1001)) and not wholes.wanted(_obj("empty", 0))
+
+
+def test_the_daemon_reads_each_small_object_in_two_gets(
+    s3: Any, bucket: str, s3_endpoint: str, make_config: Callable[..., Config]
+) -> None:
+    """A remote of small Arrow IPC objects, 3 record batches each, through a proxy counting requests:
+    each object costs its footer's GET and one GET of its bytes (not 3 ranged ones plus the footer's
+    second read), and every row is cached exactly once."""
+    from faultproxy import FaultProxy
+
+    objects, rows = 6, 30
+    for number in range(objects):
+        table = make_table(rows, number * rows)
+        with s3.open(f"{bucket}/small/part-{number:03d}.arrow", "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+            for batch in table.to_batches(max_chunksize=rows // 3):
+                w.write_batch(batch)
+    proxy = FaultProxy(s3_endpoint, rate=0.0)
+    try:
+        options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url}}
+        config = make_config(f"s3://{bucket}/small", **{"source.format": "arrow", "source.storage_options": options,
+                                                         "cache.max_bytes": "50MB", "cache.shard_bytes": "1MB"})
+        report = SyncDaemon(config).run(once=True)
+        assert report.units_skipped == 0
+        assert sorted(cached_ids(config.cache.dir)) == list(range(objects * rows))
+        assert proxy.object_gets == 2 * objects, f"{proxy.object_gets} GETs for {objects} objects of 3 units"
+    finally:
+        proxy.close()
+
+
+def test_flipped_bits_in_small_arrow_objects_never_reach_a_row(s3: Any, bucket: str, s3_endpoint: str) -> None:
+    """Arrow IPC has no checksum of its own: read whole, a small object is checked by its MD5 ETag, so
+    with half of all object GETs flipping one bit every row still reads exactly as written (read in
+    ranges, the same flips reach rows unseen)."""
+    from faultproxy import FaultProxy
+
+    from epochcache.sources import ArrowSource
+    from epochcache.sources.retry import Retrier
+
+    written = {}
+    for number in range(4):
+        table = make_table(60, number * 60)
+        path = f"{bucket}/flips/part-{number:03d}.arrow"
+        with s3.open(path, "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+            for batch in table.to_batches(max_chunksize=20):
+                w.write_batch(batch)
+        written[path] = table
+    proxy = FaultProxy(s3_endpoint, rate=0.0, flip_rate=0.5, seed=5)
+    try:
+        options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url}}
+        source = ArrowSource(f"s3://{bucket}/flips", storage_options=options)
+        retrier = Retrier(20, 0.0, 0.0, lambda name: None)
+        for obj in source.list_objects():
+            units = retrier.call(source.units, obj, what="units")
+            read = pa.concat_tables([retrier.call(source.read, unit, what=unit.key) for unit in units])
+            assert read.drop_columns(["__key__"]).equals(written[obj.path]), f"{obj.path}: rows differ"
+        assert proxy.faults["flip"] >= 4
+    finally:
+        proxy.close()
