@@ -191,8 +191,9 @@ class SamplerConfig(_Section):
     whole_object_bytes: ByteSize = Field(
         default=ByteSize(8 * 2**20), ge=0,
         description="Arrow IPC and Parquet (every column) objects up to this size are read in one GET, checked "
-        "whole against the store's checksum (an MD5 ETag), and held (within max_inflight_bytes) until each of "
-        "their units is read; larger ones are read in ranges, one per unit; 0 = ranges only",
+        "whole against the store's checksum (an MD5 ETag), and held (mix_units of them, within "
+        "max_inflight_bytes) until each of their units is read; larger ones are read in ranges, one per unit; "
+        "0 = ranges only",
     )
     max_bytes_per_s: ByteSize | None = Field(
         default=None, gt=0, description="cap on the daemon's intake (decoded Arrow bytes/s); null = none"

@@ -3,16 +3,17 @@
 In: the objects a file-format source reads units of (Arrow IPC, Parquet with every column). Out, per
 unit: the object's bytes as one Arrow buffer, fetched once by :meth:`RemoteFiles.fetch_whole` (so
 checked whole against a plain-MD5 ETag or an ``x-amz-checksum-*``, which no ranged read can be) and
-held until each of its units has been read once, or until newer objects need the room.
+held until each of its units has been read once, or until objects read more recently need the room.
 
 Why: a ranged read per unit plus the footer (twice) costs an object of three units five requests
-where one does, and the bytes of a format without checksums of its own (Arrow IPC; Parquet written
-without page CRCs) can be damaged in transit unseen when they come in ranges. An object's footer,
+where two do (the footer's, then the object's), and the bytes of a format without checksums of its
+own (Arrow IPC; Parquet written without page CRCs) can be damaged in transit unseen in ranges. An object's footer,
 read first to list its units, is checked against the whole object's when it arrives (see the
 sources), so no unit is decoded with a footer the checksum did not cover.
 
 Invariants: an object is fetched at most once while held (concurrent readers of its units wait for
-the one fetch); at most ``keep_bytes`` of objects are held, the oldest let go first; an object let
+the one fetch); at most ``keep_bytes`` of objects are held, the least recently read let go first
+(an object whose other units were cached already is never read again this pass); an object let
 go before all its units were read is not fetched whole again until a new version is listed (its
 remaining units are read in ranges, with the footer its whole read checked): a window too small
 for the mixing never turns one object into a whole download per unit.
@@ -78,6 +79,7 @@ class WholeObjects:
             fetcher = held is None
             if held is None:
                 held = self._held[key] = _Held(obj.size)
+            self._held.move_to_end(key)  # the least recently read is let go first
         if not fetcher:
             return held.data.result()
         try:
@@ -118,11 +120,12 @@ class WholeObjects:
                 if held.data.done():
                     del self._held[key]
                     total -= held.size
-                    if not self._let_go:
-                        log.warning("%s: objects read whole are let go before each of their units was read, for room "
-                                    "(sampler.max_inflight_bytes=%d): their other units are read in ranges; lower "
-                                    "sampler.whole_object_bytes or mix_units, or raise max_inflight_bytes",
-                                    self.remote.url, self.keep_bytes)
+                    if not self._let_go:  # (info: units already cached, never read this pass, are one reason)
+                        log.info("%s: objects read whole are let go, for room (%d bytes held at most), before each of "
+                                 "their units was read from them: the rest are read in ranges. Units already cached "
+                                 "are one reason; a mixing window larger than the room (mix_units x "
+                                 "whole_object_bytes over max_inflight_bytes) another", self.remote.url,
+                                 self.keep_bytes)
                     if len(self._let_go) >= _LET_GO_MOST:
                         self._let_go.clear()
                     self._let_go.add(key)
