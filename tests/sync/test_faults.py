@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +32,6 @@ FAST_RETRIES = {"sampler.backoff_s": 0.01, "sampler.backoff_max_s": 0.1, "sample
                 "sampler.request_timeout_s": 1.0}
 
 
-@pytest.fixture
-def proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
-    proxy = FaultProxy(s3_endpoint, rate=0.10, kinds=KINDS, delay_s=2.0, seed=7)
-    yield proxy
-    proxy.close()
-
-
 def _cached_rows(config: Config) -> tuple[Ledger, list[tuple[str, pa.Table]]]:
     layout = CacheLayout(Path(config.cache.dir))
     ledger = Ledger(layout.ledger)
@@ -63,12 +56,20 @@ def _assert_rows_intact(table: pa.Table) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("whole_object_bytes, rate, seed", [(0, 0.10, 7), ("8MB", 0.35, 2)],
+                         ids=["ranged", "whole"])
 def test_ten_percent_faults_every_unit_published_once_or_skipped(
-    s3: Any, bucket: str, proxy: FaultProxy, make_config: Callable[..., Config], caplog: pytest.LogCaptureFixture
+    s3: Any, bucket: str, s3_endpoint: str, make_config: Callable[..., Config], caplog: pytest.LogCaptureFixture,
+    whole_object_bytes: int | str, rate: float, seed: int, request: pytest.FixtureRequest
 ) -> None:
+    """Reads of units in ranges, or of small objects whole (one GET for all their units: over those
+    fewer requests, a higher rate and a seed whose faults still hit every kind)."""
     write_parquet_dataset(s3, f"{bucket}/data", FILES, ROWS_PER_FILE, ROWS_PER_GROUP)
+    proxy = FaultProxy(s3_endpoint, rate=rate, kinds=KINDS, delay_s=2.0, seed=seed)
+    request.addfinalizer(proxy.close)
     # moto accepts any credentials: these values must appear in none of our log lines
     config = make_config(f"s3://{bucket}/data", **ROOMY, **FAST_RETRIES, **{
+        "sampler.whole_object_bytes": whole_object_bytes,
         "source.storage_options": {"key": "AKIAFAULTKEY0003", "secret": "fault-secret-0003",
                                    "client_kwargs": {"endpoint_url": proxy.url}}})
     log = UnitLog()
