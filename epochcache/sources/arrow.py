@@ -64,18 +64,7 @@ class ArrowSource(FileSource):
 
     def read(self, unit: Unit) -> pa.Table:
         if self._wholes.wanted(unit.obj):
-            data = self._wholes.bytes_of(unit.obj)
-            footer = self._parse_footer(unit.obj, memoryview(data))
-            if footer != self._footer(unit.obj):
-                # the footer the units were listed from was damaged in transit: listed afresh next pass
-                self._footer.cache_clear()
-            if unit.index >= len(footer.blocks):
-                raise CorruptObjectError(f"{unit.obj.path} has {len(footer.blocks)} record batches, not "
-                                         f"{unit.key}'s: its footer was damaged when first read")
-            start, end = footer.blocks[unit.index]
-            table = self._decode(unit, footer, data[start:end])
-            self._wholes.done(unit.obj, unit.index, len(footer.blocks))
-            return table
+            return self._read_whole(unit)
         footer = self._footer(unit.obj)
         start, end = footer.blocks[unit.index]
         # The batch streams into an anonymous mapping and is decoded in place: its columns are views
@@ -83,6 +72,28 @@ class ArrowSource(FileSource):
         image = blank_image(end - start)
         self._remote.fetch_into(unit.obj, start, memoryview(image)[: end - start])
         return self._decode(unit, footer, pa.py_buffer(image)[: end - start])
+
+    def _read_whole(self, unit: Unit) -> pa.Table:
+        """The batch decoded from the object's whole bytes, with the footer in them, which must be the
+        one the units were listed from: else one of the two was damaged in transit, and both are read
+        again on the retry. A failed read lets the bytes go, so the retry fetches them afresh."""
+        data = self._wholes.bytes_of(unit.obj)
+        try:
+            footer = self._parse_footer(unit.obj, memoryview(data))
+            if footer != self._footer(unit.obj):
+                self._footer.cache_clear()
+                raise CorruptObjectError(f"{unit.obj.path}: its footer as read apart differs from the one in its "
+                                         "whole bytes: damaged in transit")
+            if unit.index >= len(footer.blocks):
+                raise CorruptObjectError(f"{unit.obj.path} has {len(footer.blocks)} record batches, not "
+                                         f"{unit.key}'s: its footer was damaged when first read")
+            start, end = footer.blocks[unit.index]
+            table = self._decode(unit, footer, data[start:end])
+        except CorruptObjectError:
+            self._wholes.forget(unit.obj)
+            raise
+        self._wholes.done(unit.obj, unit.index, len(footer.blocks))
+        return table
 
     def _decode(self, unit: Unit, footer: _Footer, data: pa.Buffer) -> pa.Table:
         """The record batch in ``data`` (its span: metadata and body) as the unit's keyed rows, zero-copy."""

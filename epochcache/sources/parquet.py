@@ -89,13 +89,20 @@ class ParquetSource(FileSource):
         return self._decode(unit, pa.py_buffer(view), metadata)
 
     def _read_whole(self, unit: Unit) -> pa.Table:
-        """The row group decoded from the object's whole bytes, with the footer in them (checked
-        whole): the one the units were listed from must agree, else it was damaged in transit."""
+        """The row group decoded from the object's whole bytes, with the footer in them, which must be
+        the one the units were listed from: else one of the two was damaged in transit, and both are
+        read again on the retry. A failed read lets the bytes go, so the retry fetches them afresh."""
         data = self._wholes.bytes_of(unit.obj)
-        metadata = _footer(unit.obj.path, pa.BufferReader(data))
-        if not metadata.equals(self._metadata(unit.obj)):
-            self._metadata.cache_clear()  # listed afresh next pass
-        table = self._decode(unit, data, metadata)
+        try:
+            metadata = _footer(unit.obj.path, pa.BufferReader(data))
+            if not metadata.equals(self._metadata(unit.obj)):
+                self._metadata.cache_clear()
+                raise CorruptObjectError(f"{unit.obj.path}: its footer as read apart differs from the one in its "
+                                         "whole bytes: damaged in transit")
+            table = self._decode(unit, data, metadata)
+        except CorruptObjectError:
+            self._wholes.forget(unit.obj)
+            raise
         self._wholes.done(unit.obj, unit.index, metadata.num_row_groups)
         return table
 

@@ -94,6 +94,14 @@ class WholeObjects:
         self._make_room()
         return data
 
+    def forget(self, obj: RemoteObject) -> None:
+        """Let ``obj``'s bytes go (a read of them failed): the next unit's read fetches them again,
+        as a retry must where the store offers no checksum to have checked them."""
+        with self._lock:
+            held = self._held.get((obj.path, obj.etag))
+            if held is not None and held.data.done():
+                del self._held[(obj.path, obj.etag)]
+
     def done(self, obj: RemoteObject, index: int, units: int) -> None:
         """Unit ``index`` of ``obj`` (of ``units``) was read: once every one was, the object is let go."""
         key = (obj.path, obj.etag)

@@ -157,3 +157,44 @@ def test_flipped_bits_in_small_arrow_objects_never_reach_a_row(s3: Any, bucket: 
         assert proxy.faults["flip"] >= 4
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "parquet"])
+def test_a_failed_whole_read_is_fetched_afresh_on_the_retry(
+    s3: Any, bucket: str, s3_options: dict[str, Any], monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """The first whole fetch comes back damaged where no checksum caught it (injection: as from a store
+    whose ETags are no MD5s), in its footer's length: the read is corrupt, and the retry fetches the
+    bytes again rather than decoding the held ones again."""
+    import pyarrow.parquet as pq
+
+    from epochcache.errors import CorruptObjectError
+    from epochcache.sources import ArrowSource, ParquetSource
+
+    table = make_table(30)
+    path = f"{bucket}/once/part-000.{fmt}"
+    with s3.open(path, "wb") as f:
+        if fmt == "arrow":
+            with pa.ipc.new_file(f, table.schema) as writer:
+                writer.write_table(table, max_chunksize=10)
+        else:
+            pq.write_table(table, f, row_group_size=10)
+    source = (ArrowSource if fmt == "arrow" else ParquetSource)(f"s3://{bucket}/once", storage_options=s3_options)
+    fetched: list[str] = []
+    real = source._remote.fetch_whole
+
+    def damaged_once(obj: RemoteObject) -> bytes:
+        data = real(obj)
+        fetched.append(obj.path)
+        if len(fetched) > 1:
+            return data
+        at = len(data) - (7 if fmt == "arrow" else 5)  # the footer length's high byte (then ARROW1 / PAR1)
+        return data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:]
+
+    monkeypatch.setattr(source._remote, "fetch_whole", damaged_once)
+    (obj,) = source.list_objects()
+    units = source.units(obj)
+    with pytest.raises(CorruptObjectError, match="footer"):
+        source.read(units[0])
+    assert source.read(units[0]).column("id").to_pylist() == list(range(10))
+    assert len(fetched) == 2
