@@ -239,6 +239,18 @@ class SamplerConfig(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _whole_objects_fit(self) -> SamplerConfig:
+        # (objects read whole are held within max_inflight_bytes: a larger one could never be held; the
+        # default is lowered to max_inflight_bytes where that is set lower, see epochcache.sources.open_source)
+        if "whole_object_bytes" in self.model_fields_set and self.whole_object_bytes > self.max_inflight_bytes:
+            raise ValueError(
+                f"whole_object_bytes={int(self.whole_object_bytes)} exceeds max_inflight_bytes="
+                f"{int(self.max_inflight_bytes)}, within which objects read whole are held: lower it, or raise "
+                "max_inflight_bytes"
+            )
+        return self
+
     def partition(self, env: Mapping[str, str] | None = None) -> tuple[int, int]:
         """``(node_rank, num_nodes)``: the configured values, else those torchrun sets in ``env``
         (``GROUP_RANK``; ``WORLD_SIZE // LOCAL_WORLD_SIZE``), else ``(0, 1)``."""
