@@ -191,9 +191,9 @@ class SamplerConfig(_Section):
     whole_object_bytes: ByteSize = Field(
         default=ByteSize(8 * 2**20), ge=0,
         description="Arrow IPC and Parquet (every column) objects up to this size are read in one GET, checked "
-        "whole against the store's checksum (an MD5 ETag), and held (mix_units of them, within "
-        "max_inflight_bytes) until each of their units is read; larger ones are read in ranges, one per unit; "
-        "0 = ranges only",
+        "whole against the store's checksum where it offers one (an MD5 ETag), and held (mix_units of them, "
+        "within max_inflight_bytes) until each of their units is read; larger ones are read in ranges, one "
+        "per unit; 0 = ranges only",
     )
     max_bytes_per_s: ByteSize | None = Field(
         default=None, gt=0, description="cap on the daemon's intake (decoded Arrow bytes/s); null = none"
@@ -241,13 +241,14 @@ class SamplerConfig(_Section):
 
     @model_validator(mode="after")
     def _whole_objects_fit(self) -> SamplerConfig:
-        # (objects read whole are held within max_inflight_bytes: a larger one could never be held; the
-        # default is lowered to max_inflight_bytes where that is set lower, see epochcache.sources.open_source)
-        if "whole_object_bytes" in self.model_fields_set and self.whole_object_bytes > self.max_inflight_bytes:
+        # Objects read whole are held a mixing window at a time, within max_inflight_bytes. Unset, the
+        # default is lowered to what fits (epochcache.sources.open_source), as it is with mix_units auto.
+        window = self.mix_units if isinstance(self.mix_units, int) else 1
+        if "whole_object_bytes" in self.model_fields_set and window * self.whole_object_bytes > self.max_inflight_bytes:
             raise ValueError(
-                f"whole_object_bytes={int(self.whole_object_bytes)} exceeds max_inflight_bytes="
-                f"{int(self.max_inflight_bytes)}, within which objects read whole are held: lower it, or raise "
-                "max_inflight_bytes"
+                f"whole_object_bytes={int(self.whole_object_bytes)} times mix_units={window} exceeds "
+                f"max_inflight_bytes={int(self.max_inflight_bytes)}, within which a mixing window of objects read "
+                "whole is held: lower whole_object_bytes or mix_units, or raise max_inflight_bytes"
             )
         return self
 

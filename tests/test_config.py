@@ -311,11 +311,11 @@ def test_rate_cap_must_be_positive(tmp_path: Path) -> None:
 
 
 def test_objects_read_whole_must_fit_in_flight(tmp_path: Path) -> None:
-    path = minimal(tmp_path, sampler={"max_inflight_bytes": "16MB", "whole_object_bytes": "16MB"})
-    assert load_config(path, env={}).sampler.whole_object_bytes == 16 * 10**6
-    with pytest.raises(ConfigError, match=r"whole_object_bytes=16000001 exceeds max_inflight_bytes=16000000"):
-        load_config(path, overrides=["sampler.whole_object_bytes=16000001"], env={})
-    # the default (8MB) over a lower max_inflight_bytes is no error: open_source lowers it to that
+    path = minimal(tmp_path, sampler={"max_inflight_bytes": "16MB", "whole_object_bytes": "2MB"})
+    assert load_config(path, env={}).sampler.whole_object_bytes == 2 * 10**6  # 8 (mix_units) x 2MB = 16MB
+    with pytest.raises(ConfigError, match=r"whole_object_bytes=2000001 times mix_units=8 exceeds max_inflight_bytes"):
+        load_config(path, overrides=["sampler.whole_object_bytes=2000001"], env={})
+    # the default (8MB) over a lower max_inflight_bytes is no error: open_source lowers it to what fits
     assert load_config(minimal(tmp_path, sampler={"max_inflight_bytes": "4MB"}), env={}).sampler.max_inflight_bytes
 
 

@@ -45,8 +45,8 @@ def open_source(config: SourceConfig, sampler: SamplerConfig | None = None) -> S
     daemon's read settings from ``sampler`` (defaults if None): one attempt per request within
     ``request_timeout_s`` (retries are :mod:`epochcache.sources.retry`'s); samples over
     ``max_sample_bytes`` (a tar member, an object) refused as corrupt; Arrow IPC and Parquet objects
-    up to ``whole_object_bytes`` (and ``max_inflight_bytes``) read whole (:mod:`epochcache.sources.wholes`),
-    at most ``mix_units`` of them (one mixing window) and ``max_inflight_bytes`` held."""
+    up to ``whole_object_bytes`` read whole (:mod:`epochcache.sources.wholes`), a mixing window's worth
+    (``mix_units`` of them) held, within ``max_inflight_bytes``."""
     from epochcache.config import SamplerConfig
     from epochcache.sources.arrow import ArrowSource
     from epochcache.sources.objects import ObjectSource
@@ -62,12 +62,12 @@ def open_source(config: SourceConfig, sampler: SamplerConfig | None = None) -> S
                             max_sample_bytes=largest)
     if config.format == "webdataset":
         return WebDatasetSource(config.url, columns=config.columns, storage_options=options, max_sample_bytes=largest)
-    # Held: one mixing window of objects read whole (every unit of theirs is read within it), at most
-    # max_inflight_bytes.
+    # Held: one mixing window of objects read whole (every unit of theirs is read within it), within
+    # max_inflight_bytes: objects are read whole only up to the size at which a window fits (with
+    # mix_units auto, a window may be 1024 objects).
     window = sampler.mix_units if isinstance(sampler.mix_units, int) else 1024
-    largest = min(int(sampler.whole_object_bytes), int(sampler.max_inflight_bytes))
-    whole = {"whole_object_bytes": largest,
-             "keep_bytes": min(int(sampler.max_inflight_bytes), window * largest)}
+    largest = min(int(sampler.whole_object_bytes), int(sampler.max_inflight_bytes) // window)
+    whole = {"whole_object_bytes": largest, "keep_bytes": window * largest}
     if config.format == "arrow":
         return ArrowSource(config.url, columns=config.columns, storage_options=options, **whole)
     return ParquetSource(config.url, columns=config.columns, storage_options=options, **whole)

@@ -55,7 +55,7 @@ class ArrowSource(FileSource):
     ) -> None:
         super().__init__(url, columns, storage_options)
         self._footer = functools.lru_cache(maxsize=_FOOTER_CACHE)(self._read_footer)
-        self._wholes = WholeObjects(self._remote, whole_object_bytes, keep_bytes)
+        self._wholes = WholeObjects(self._remote, self._checked_footer, whole_object_bytes, keep_bytes)
 
     def units(self, obj: RemoteObject) -> list[Unit]:
         """One unit per record batch; ``rows`` is None (known once read), ``nbytes`` its body size."""
@@ -74,16 +74,10 @@ class ArrowSource(FileSource):
         return self._decode(unit, footer, pa.py_buffer(image)[: end - start])
 
     def _read_whole(self, unit: Unit) -> pa.Table:
-        """The batch decoded from the object's whole bytes, with the footer in them, which must be the
-        one the units were listed from: else one of the two was damaged in transit, and both are read
-        again on the retry. A failed read lets the bytes go, so the retry fetches them afresh."""
-        data = self._wholes.bytes_of(unit.obj)
+        """The batch decoded from the object's whole bytes, with the footer in them (checked once, by
+        :meth:`_checked_footer`). A failed decode lets the bytes go, so the retry fetches them afresh."""
+        data, footer = self._wholes.bytes_of(unit.obj)
         try:
-            footer = self._parse_footer(unit.obj, memoryview(data))
-            if footer != self._footer(unit.obj):
-                self._footer.cache_clear()
-                raise CorruptObjectError(f"{unit.obj.path}: its footer as read apart differs from the one in its "
-                                         "whole bytes: damaged in transit")
             if unit.index >= len(footer.blocks):
                 raise CorruptObjectError(f"{unit.obj.path} has {len(footer.blocks)} record batches, not "
                                          f"{unit.key}'s: its footer was damaged when first read")
@@ -94,6 +88,18 @@ class ArrowSource(FileSource):
             raise
         self._wholes.done(unit.obj, unit.index, len(footer.blocks))
         return table
+
+    def _checked_footer(self, obj: RemoteObject, data: pa.Buffer) -> _Footer:
+        """The footer in an object's whole bytes, which must be the one its units were listed from
+        (schema metadata included: tensor shapes live there): else one of the two was damaged in
+        transit, and both are read again on the retry."""
+        footer = self._parse_footer(obj, memoryview(data))
+        listed = self._footer(obj)
+        if footer.blocks != listed.blocks or not footer.schema.equals(listed.schema, check_metadata=True):
+            self._footer.cache_clear()
+            raise CorruptObjectError(f"{obj.path}: its footer as read apart differs from the one in its whole "
+                                     "bytes: damaged in transit")
+        return footer
 
     def _decode(self, unit: Unit, footer: _Footer, data: pa.Buffer) -> pa.Table:
         """The record batch in ``data`` (its span: metadata and body) as the unit's keyed rows, zero-copy."""

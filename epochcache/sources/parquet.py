@@ -53,7 +53,7 @@ class ParquetSource(FileSource):
     ) -> None:
         super().__init__(url, columns, storage_options)
         self._metadata = functools.lru_cache(maxsize=_FOOTER_CACHE)(self._read_metadata)
-        self._wholes = WholeObjects(self._remote, whole_object_bytes, keep_bytes)
+        self._wholes = WholeObjects(self._remote, self._checked_metadata, whole_object_bytes, keep_bytes)
 
     def units(self, obj: RemoteObject) -> list[Unit]:
         """The object's row groups; each one's ``nbytes`` counts the wanted columns only (what its read
@@ -89,22 +89,26 @@ class ParquetSource(FileSource):
         return self._decode(unit, pa.py_buffer(view), metadata)
 
     def _read_whole(self, unit: Unit) -> pa.Table:
-        """The row group decoded from the object's whole bytes, with the footer in them, which must be
-        the one the units were listed from: else one of the two was damaged in transit, and both are
-        read again on the retry. A failed read lets the bytes go, so the retry fetches them afresh."""
-        data = self._wholes.bytes_of(unit.obj)
+        """The row group decoded from the object's whole bytes, with the footer in them (checked once,
+        by :meth:`_checked_metadata`). A failed decode lets the bytes go, so the retry fetches them afresh."""
+        data, metadata = self._wholes.bytes_of(unit.obj)
         try:
-            metadata = _footer(unit.obj.path, pa.BufferReader(data))
-            if not metadata.equals(self._metadata(unit.obj)):
-                self._metadata.cache_clear()
-                raise CorruptObjectError(f"{unit.obj.path}: its footer as read apart differs from the one in its "
-                                         "whole bytes: damaged in transit")
             table = self._decode(unit, data, metadata)
         except CorruptObjectError:
             self._wholes.forget(unit.obj)
             raise
         self._wholes.done(unit.obj, unit.index, metadata.num_row_groups)
         return table
+
+    def _checked_metadata(self, obj: RemoteObject, data: pa.Buffer) -> pq.FileMetaData:
+        """The metadata in an object's whole bytes, which must be the one its units were listed from:
+        else one of the two was damaged in transit, and both are read again on the retry."""
+        metadata = _footer(obj.path, pa.BufferReader(data))
+        if not metadata.equals(self._metadata(obj)):
+            self._metadata.cache_clear()
+            raise CorruptObjectError(f"{obj.path}: its footer as read apart differs from the one in its whole "
+                                     "bytes: damaged in transit")
+        return metadata
 
     def _decode(self, unit: Unit, data: pa.Buffer, metadata: pq.FileMetaData) -> pa.Table:
         """The unit's row group, keyed, from ``data`` (the file's bytes at their offsets)."""

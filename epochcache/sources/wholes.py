@@ -1,30 +1,32 @@
 """Small objects read whole: one GET serves every unit of an object, checked against the store's checksum.
 
-In: the objects a file-format source reads units of (Arrow IPC, Parquet with every column). Out, per
-unit: the object's bytes as one Arrow buffer, fetched once by :meth:`RemoteFiles.fetch_whole` (so
-checked whole against a plain-MD5 ETag or an ``x-amz-checksum-*``, which no ranged read can be) and
-held until each of its units has been read once, or until objects read more recently need the room.
+In: the objects a file-format source reads units of (Arrow IPC, Parquet with every column), and the
+source's ``parse`` of an object's whole bytes (its footer, checked against the one its units were
+listed from). Out, per unit: the object's bytes as one Arrow buffer and their parsed footer, fetched
+and parsed once (:meth:`RemoteFiles.fetch_whole`: checked whole against a plain-MD5 ETag or an
+``x-amz-checksum-*`` where the store offers one, which no ranged read can be) and held until each
+of its units has been read once, or until objects read more recently need the room.
 
 Why: a ranged read per unit plus the footer (twice) costs an object of three units five requests
 where two do (the footer's, then the object's), and the bytes of a format without checksums of its
-own (Arrow IPC; Parquet written without page CRCs) can be damaged in transit unseen in ranges. An object's footer,
-read first to list its units, is checked against the whole object's when it arrives (see the
-sources), so no unit is decoded with a footer the checksum did not cover.
+own (Arrow IPC; Parquet written without page CRCs) can be damaged in transit unseen in ranges.
 
-Invariants: an object is fetched at most once while held (concurrent readers of its units wait for
-the one fetch); at most ``keep_bytes`` of objects are held, the least recently read let go first
-(an object whose other units were cached already is never read again this pass); an object let
-go before all its units were read is not fetched whole again until a new version is listed (its
-remaining units are read in ranges, with the footer its whole read checked): a window too small
-for the mixing never turns one object into a whole download per unit.
+Invariants: an object is fetched and parsed at most once while held (concurrent readers of its
+units wait for that one fetch), and its bytes reach no reader before ``parse`` accepted them (a
+footer read apart that differs is an error for every waiter, and the next read fetches again); at
+most ``keep_bytes`` of objects are held, the least recently read let go first: an object whose other
+units were cached already is never read again in a pass, and the one read by the current mixing
+window are the most recent (the caller keeps ``keep_bytes`` at least a window's worth: see
+:func:`epochcache.sources.open_source`).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Generic, TypeVar
 
 import pyarrow as pa
 
@@ -34,46 +36,43 @@ from epochcache.sources.remote import RemoteFiles
 # Objects up to this size are read whole by default (sampler.whole_object_bytes): eight of them, one
 # mixing window's worth, stay within a few tens of MB.
 WHOLE_OBJECT_BYTES = 8 * 2**20
-KEEP_BYTES = 256 * 2**20
-# Objects let go early that are remembered (read in ranges): forgetting them all costs each one more
-# whole read, while the set stays small whatever the listing's size.
-_LET_GO_MOST = 100_000
+KEEP_BYTES = 8 * WHOLE_OBJECT_BYTES
 
-log = logging.getLogger(__name__)
-
-_Key = tuple[str, str | None]
+P = TypeVar("P")
+_Key = tuple[str, str | None, int]
 
 
-class _Held:
-    """One object being fetched or held: its bytes (a future, for readers arriving during the fetch)
-    and the indices of the units read from it."""
+class _Held(Generic[P]):
+    """One object being fetched or held: its bytes and their parse (a future, for readers arriving
+    during the fetch) and the indices of the units read from it."""
 
     __slots__ = ("data", "read", "size")
 
     def __init__(self, size: int) -> None:
-        self.data: Future[pa.Buffer] = Future()
+        self.data: Future[tuple[pa.Buffer, P]] = Future()
         self.read: set[int] = set()
         self.size = size
 
 
-class WholeObjects:
+class WholeObjects(Generic[P]):
     """The objects of one source read whole; see the module docstring. Thread-safe."""
 
-    def __init__(self, remote: RemoteFiles, most_bytes: int = WHOLE_OBJECT_BYTES, keep_bytes: int = KEEP_BYTES) -> None:
-        self.remote, self.most_bytes, self.keep_bytes = remote, most_bytes, keep_bytes
-        self._held: OrderedDict[_Key, _Held] = OrderedDict()
-        self._let_go: set[_Key] = set()  # objects dropped for room before all their units were read
+    def __init__(self, remote: RemoteFiles, parse: Callable[[RemoteObject, pa.Buffer], P],
+                 most_bytes: int = WHOLE_OBJECT_BYTES, keep_bytes: int = KEEP_BYTES) -> None:
+        self.remote, self.parse, self.most_bytes, self.keep_bytes = remote, parse, most_bytes, keep_bytes
+        self._held: OrderedDict[_Key, _Held[P]] = OrderedDict()
         self._lock = threading.Lock()
 
     def wanted(self, obj: RemoteObject) -> bool:
         """Whether ``obj``'s units are read from its whole bytes: remote (a local file has no transit to
-        check, nor requests to save), small enough, and not let go for room."""
-        return not self.remote.local and 0 < obj.size <= self.most_bytes and (obj.path, obj.etag) not in self._let_go
+        check, nor requests to save) and small enough."""
+        return not self.remote.local and 0 < obj.size <= self.most_bytes
 
-    def bytes_of(self, obj: RemoteObject) -> pa.Buffer:
-        """All of ``obj``'s bytes (its listed version), fetched by the first caller; the others wait for
-        that fetch. A failed fetch raises to every waiter, and the next call fetches again."""
-        key = (obj.path, obj.etag)
+    def bytes_of(self, obj: RemoteObject) -> tuple[pa.Buffer, P]:
+        """All of ``obj``'s bytes (its listed version) and their parse, fetched and parsed by the first
+        caller; the others wait for it. A failed fetch or parse raises to every waiter, and the next
+        call fetches again."""
+        key = _key(obj)
         with self._lock:
             held = self._held.get(key)
             fetcher = held is None
@@ -84,27 +83,27 @@ class WholeObjects:
             return held.data.result()
         try:
             data = pa.py_buffer(self.remote.fetch_whole(obj))
+            got = data, self.parse(obj, data)
         except BaseException as exc:
-            with self._lock:
-                if self._held.get(key) is held:
-                    del self._held[key]
+            self._drop(key, held)
             held.data.set_exception(exc)
             raise
-        held.data.set_result(data)
+        held.data.set_result(got)
         self._make_room()
-        return data
+        return got
 
     def forget(self, obj: RemoteObject) -> None:
-        """Let ``obj``'s bytes go (a read of them failed): the next unit's read fetches them again,
-        as a retry must where the store offers no checksum to have checked them."""
+        """Let ``obj``'s bytes go (a unit's decode failed): the next read fetches them again, as a retry
+        must where the store offers no checksum to have checked them."""
+        key = _key(obj)
         with self._lock:
-            held = self._held.get((obj.path, obj.etag))
-            if held is not None and held.data.done():
-                del self._held[(obj.path, obj.etag)]
+            held = self._held.get(key)
+        if held is not None and held.data.done():
+            self._drop(key, held)
 
     def done(self, obj: RemoteObject, index: int, units: int) -> None:
         """Unit ``index`` of ``obj`` (of ``units``) was read: once every one was, the object is let go."""
-        key = (obj.path, obj.etag)
+        key = _key(obj)
         with self._lock:
             held = self._held.get(key)
             if held is not None:
@@ -117,8 +116,14 @@ class WholeObjects:
         with self._lock:
             return sum(held.size for held in self._held.values())
 
+    def _drop(self, key: _Key, held: _Held[P]) -> None:
+        with self._lock:
+            if self._held.get(key) is held:
+                del self._held[key]
+
     def _make_room(self) -> None:
-        """Let the oldest fetched objects go while more than ``keep_bytes`` are held (the newest stays)."""
+        """Let the least recently read fetched objects go while more than ``keep_bytes`` are held (the
+        most recent stays)."""
         with self._lock:
             total = sum(held.size for held in self._held.values())
             for key in list(self._held):
@@ -128,12 +133,8 @@ class WholeObjects:
                 if held.data.done():
                     del self._held[key]
                     total -= held.size
-                    if not self._let_go:  # (info: units already cached, never read this pass, are one reason)
-                        log.info("%s: objects read whole are let go, for room (%d bytes held at most), before each of "
-                                 "their units was read from them: the rest are read in ranges. Units already cached "
-                                 "are one reason; a mixing window larger than the room (mix_units x "
-                                 "whole_object_bytes over max_inflight_bytes) another", self.remote.url,
-                                 self.keep_bytes)
-                    if len(self._let_go) >= _LET_GO_MOST:
-                        self._let_go.clear()
-                    self._let_go.add(key)
+
+
+def _key(obj: RemoteObject) -> _Key:
+    """An object's version as held: a store without ETags still changes size or mtime (in its etag)."""
+    return obj.path, obj.etag, obj.size

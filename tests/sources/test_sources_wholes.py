@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +13,7 @@ from conftest import cached_ids, make_table
 
 from epochcache import SyncDaemon
 from epochcache.config import Config
+from epochcache.errors import CorruptObjectError
 from epochcache.sources import RemoteObject
 from epochcache.sources.wholes import WholeObjects
 
@@ -40,38 +40,62 @@ def _obj(name: str, size: int = 1000) -> RemoteObject:
     return RemoteObject(f"bucket/{name}", size, f'"{name}"')
 
 
-def test_readers_of_one_object_share_one_fetch() -> None:
+def _parsed(obj: RemoteObject, data: pa.Buffer) -> int:
+    """A parse of the whole bytes (the sources parse the footer): here, its length, counted."""
+    PARSES.append(obj.path)
+    return data.size
+
+
+PARSES: list[str] = []
+
+
+def _wholes(remote: GatedRemote, parse: Any = _parsed, **kwargs: Any) -> WholeObjects[Any]:
+    PARSES.clear()
+    return WholeObjects(remote, parse, **kwargs)  # type: ignore[arg-type]
+
+
+def test_readers_of_one_object_share_one_fetch_and_parse() -> None:
     remote = GatedRemote()
-    wholes = WholeObjects(remote)  # type: ignore[arg-type]
+    wholes = _wholes(remote)
     obj = _obj("a")
     with ThreadPoolExecutor(4) as pool:
         reads = [pool.submit(wholes.bytes_of, obj) for _ in range(4)]
         remote.gate.set()
         got = [read.result(timeout=10) for read in reads]
-    assert remote.calls == 1
-    assert all(data.equals(got[0]) for data in got) and got[0].to_pybytes().startswith(b"bucket/a")
+    assert remote.calls == 1 and PARSES == [obj.path]
+    assert all(data.equals(got[0][0]) and parsed == 1000 for data, parsed in got)
+    assert got[0][0].to_pybytes().startswith(b"bucket/a")
 
 
-def test_a_failed_fetch_fails_its_waiters_and_is_fetched_again() -> None:
+@pytest.mark.parametrize("fails", ["fetch", "parse"])
+def test_a_failed_fetch_or_parse_fails_its_waiters_and_is_fetched_again(fails: str) -> None:
     remote = GatedRemote()
-    remote.fail = TimeoutError("slow store")
-    wholes = WholeObjects(remote)  # type: ignore[arg-type]
+    refused = [True]
+
+    def parse(obj: RemoteObject, data: pa.Buffer) -> int:
+        if fails == "parse" and refused[0]:
+            raise CorruptObjectError("footers differ")
+        return data.size
+
+    if fails == "fetch":
+        remote.fail = TimeoutError("slow store")
+    wholes = _wholes(remote, parse)
     obj = _obj("a")
     with ThreadPoolExecutor(2) as pool:
         reads = [pool.submit(wholes.bytes_of, obj) for _ in range(2)]
         remote.gate.set()
         for read in reads:
-            with pytest.raises(TimeoutError, match="slow store"):
+            with pytest.raises((TimeoutError, CorruptObjectError), match="slow store|footers differ"):
                 read.result(timeout=10)
-    assert wholes.held_bytes() == 0
-    remote.fail = None
-    assert wholes.bytes_of(obj).size == 1000 and remote.calls == 2
+    assert wholes.held_bytes() == 0 and remote.calls == 1, "one fetch, no bytes kept"
+    remote.fail, refused[0] = None, False
+    assert wholes.bytes_of(obj)[1] == 1000 and remote.calls == 2
 
 
-def test_an_object_is_let_go_once_each_unit_was_read() -> None:
+def test_an_object_is_let_go_once_each_unit_was_read_or_forgotten() -> None:
     remote = GatedRemote()
     remote.gate.set()
-    wholes = WholeObjects(remote)  # type: ignore[arg-type]
+    wholes = _wholes(remote)
     obj = _obj("a")
     wholes.bytes_of(obj)
     wholes.done(obj, 0, 2)
@@ -81,23 +105,27 @@ def test_an_object_is_let_go_once_each_unit_was_read() -> None:
     assert wholes.held_bytes() == 0 and wholes.wanted(obj), "let go, and read whole again if wanted"
     wholes.bytes_of(obj)
     assert remote.calls == 2
+    wholes.forget(obj)
+    assert wholes.held_bytes() == 0
+    wholes.bytes_of(obj)
+    assert remote.calls == 3
 
 
-def test_objects_let_go_for_room_are_read_in_ranges_until_a_new_version(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_least_recently_read_objects_are_let_go_for_room() -> None:
     remote = GatedRemote()
     remote.gate.set()
-    wholes = WholeObjects(remote, most_bytes=1000, keep_bytes=2500)  # type: ignore[arg-type]
-    objects = [_obj(name) for name in "abc"]
-    with caplog.at_level(logging.INFO, logger="epochcache.sources.wholes"):
-        wholes.bytes_of(objects[0])
-        wholes.bytes_of(objects[1])
-        wholes.bytes_of(objects[0])  # read again: now the most recently read
-        wholes.bytes_of(objects[2])
-    assert wholes.held_bytes() == 2000, "the least recently read let go: at most keep_bytes held"
-    objects[0], objects[1] = objects[1], objects[0]
-    assert not wholes.wanted(objects[0]) and wholes.wanted(objects[1]) and wholes.wanted(objects[2])
-    assert wholes.wanted(RemoteObject(objects[0].path, 1000, '"rewritten"')), "a new version is read whole"
-    assert [r for r in caplog.records if "read in ranges" in r.getMessage()]
+    wholes = _wholes(remote, most_bytes=1000, keep_bytes=2500)
+    a, b, c = (_obj(name) for name in "abc")
+    wholes.bytes_of(a)
+    wholes.bytes_of(b)
+    wholes.bytes_of(a)  # read again: now the most recently read
+    wholes.bytes_of(c)
+    assert wholes.held_bytes() == 2000, "at most keep_bytes held"
+    wholes.bytes_of(a)
+    assert remote.calls == 3, "a, still held, not fetched again"
+    wholes.bytes_of(b)
+    assert remote.calls == 4, "b, let go, fetched again"
+    assert wholes.wanted(RemoteObject(b.path, 1000, '"rewritten"'))
     assert not wholes.wanted(_obj("big", 1001)) and not wholes.wanted(_obj("empty", 0))
 
 
@@ -168,7 +196,6 @@ def test_a_failed_whole_read_is_fetched_afresh_on_the_retry(
     bytes again rather than decoding the held ones again."""
     import pyarrow.parquet as pq
 
-    from epochcache.errors import CorruptObjectError
     from epochcache.sources import ArrowSource, ParquetSource
 
     table = make_table(30)
