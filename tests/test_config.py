@@ -316,7 +316,8 @@ def test_objects_read_whole_must_fit_in_flight(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"whole_object_bytes=2000001 times mix_units=8 exceeds max_inflight_bytes"):
         load_config(path, overrides=["sampler.whole_object_bytes=2000001"], env={})
     # the default (8MB) over a lower max_inflight_bytes is no error: open_source lowers it to what fits
-    assert load_config(minimal(tmp_path, sampler={"max_inflight_bytes": "4MB"}), env={}).sampler.max_inflight_bytes
+    lowered = load_config(minimal(tmp_path, sampler={"max_inflight_bytes": "4MB"}), env={}).sampler
+    assert (lowered.whole_object_bytes, lowered.max_inflight_bytes) == (8 * 2**20, 4 * 10**6)
 
 
 def test_errors_name_the_origin_as_written(tmp_path: Path) -> None:

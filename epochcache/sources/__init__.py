@@ -56,18 +56,19 @@ def open_source(config: SourceConfig, sampler: SamplerConfig | None = None) -> S
 
     sampler = sampler or SamplerConfig()
     options = single_attempt_options(config.url, config.storage_options, sampler.request_timeout_s)
-    largest = int(sampler.max_sample_bytes)
+    sample_bytes = int(sampler.max_sample_bytes)
     if config.format == "objects":
         return ObjectSource(config.url, columns=config.columns, storage_options=options, labels=config.labels,
-                            max_sample_bytes=largest)
+                            max_sample_bytes=sample_bytes)
     if config.format == "webdataset":
-        return WebDatasetSource(config.url, columns=config.columns, storage_options=options, max_sample_bytes=largest)
+        return WebDatasetSource(config.url, columns=config.columns, storage_options=options,
+                                max_sample_bytes=sample_bytes)
     # Held: one mixing window of objects read whole (every unit of theirs is read within it), within
     # max_inflight_bytes: objects are read whole only up to the size at which a window fits (with
     # mix_units auto, a window may be 1024 objects).
     window = sampler.mix_units if isinstance(sampler.mix_units, int) else 1024
-    largest = min(int(sampler.whole_object_bytes), int(sampler.max_inflight_bytes) // window)
-    whole = {"whole_object_bytes": largest, "keep_bytes": window * largest}
+    whole_bytes = min(int(sampler.whole_object_bytes), int(sampler.max_inflight_bytes) // window)
+    whole = {"whole_object_bytes": whole_bytes, "keep_bytes": window * whole_bytes}
     if config.format == "arrow":
         return ArrowSource(config.url, columns=config.columns, storage_options=options, **whole)
     return ParquetSource(config.url, columns=config.columns, storage_options=options, **whole)

@@ -6,8 +6,9 @@ from it with pyarrow and the byte span of every record batch (its *Block*) from 
 flatbuffer; ``read`` decodes one batch's span (metadata and body) with pyarrow, zero-copy, from:
 
 - an object up to ``whole_object_bytes``: its whole bytes (:mod:`epochcache.sources.wholes`: one GET
-  for all its batches, checked against the store's checksum), with the footer found in them; the
-  footer read by ``units`` must agree, else it was damaged in transit (and is read again next pass);
+  for all its batches, checked against the store's checksum where it offers one), with the footer
+  found in them; the footer read by ``units`` must agree, else one of them was damaged in transit
+  (both are read again on the retry);
 - a larger one: one ranged GET of the span (over a network the footer was read twice, see
   :meth:`RemoteFiles.confirm`; the batch's bytes cannot be checked: Arrow IPC has no checksums).
 
@@ -29,7 +30,7 @@ from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import RemoteObject, Unit
 from epochcache.sources.files import FileSource
 from epochcache.sources.remote import blank_image
-from epochcache.sources.wholes import KEEP_BYTES, WHOLE_OBJECT_BYTES, WholeObjects
+from epochcache.sources.wholes import KEEP_BYTES, WHOLE_OBJECT_BYTES, WholeObjects, footer_differs
 
 _SUFFIXES = (".arrow", ".feather", ".ipc")
 _MAGIC = b"ARROW1"
@@ -75,19 +76,16 @@ class ArrowSource(FileSource):
 
     def _read_whole(self, unit: Unit) -> pa.Table:
         """The batch decoded from the object's whole bytes, with the footer in them (checked once, by
-        :meth:`_checked_footer`). A failed decode lets the bytes go, so the retry fetches them afresh."""
-        data, footer = self._wholes.bytes_of(unit.obj)
-        try:
-            if unit.index >= len(footer.blocks):
-                raise CorruptObjectError(f"{unit.obj.path} has {len(footer.blocks)} record batches, not "
-                                         f"{unit.key}'s: its footer was damaged when first read")
-            start, end = footer.blocks[unit.index]
-            table = self._decode(unit, footer, data[start:end])
-        except CorruptObjectError:
-            self._wholes.forget(unit.obj)
-            raise
-        self._wholes.done(unit.obj, unit.index, len(footer.blocks))
-        return table
+        :meth:`_checked_footer`); a failed decode lets the bytes go, so the retry fetches them afresh."""
+        return self._wholes.unit(unit.obj, unit.index, functools.partial(self._batch_of, unit),
+                                 lambda footer: len(footer.blocks))
+
+    def _batch_of(self, unit: Unit, data: pa.Buffer, footer: _Footer) -> pa.Table:
+        if unit.index >= len(footer.blocks):
+            raise CorruptObjectError(f"{unit.obj.path} has {len(footer.blocks)} record batches, not "
+                                     f"{unit.key}'s: its footer was damaged when first read")
+        start, end = footer.blocks[unit.index]
+        return self._decode(unit, footer, data[start:end])
 
     def _checked_footer(self, obj: RemoteObject, data: pa.Buffer) -> _Footer:
         """The footer in an object's whole bytes, which must be the one its units were listed from
@@ -97,8 +95,7 @@ class ArrowSource(FileSource):
         listed = self._footer(obj)
         if footer.blocks != listed.blocks or not footer.schema.equals(listed.schema, check_metadata=True):
             self._footer.cache_clear()
-            raise CorruptObjectError(f"{obj.path}: its footer as read apart differs from the one in its whole "
-                                     "bytes: damaged in transit")
+            raise footer_differs(obj)
         return footer
 
     def _decode(self, unit: Unit, footer: _Footer, data: pa.Buffer) -> pa.Table:

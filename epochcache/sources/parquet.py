@@ -8,8 +8,8 @@ CRCs where the file has them (written with ``write_page_checksum=True``): a dama
 
 - with every column read, an object up to ``whole_object_bytes``: its whole bytes
   (:mod:`epochcache.sources.wholes`: one GET for all its row groups, checked against the store's
-  checksum), decoded with the footer found in them; the footer read by ``units`` must agree, else it
-  was damaged in transit (and is read again next pass);
+  checksum where it offers one), decoded with the footer found in them; the footer read by ``units``
+  must agree, else one of them was damaged in transit (both are read again on the retry);
 - else the wanted column chunks of the row group, one ranged GET per run of neighbouring chunks (a
   single GET when all columns are wanted), each body streamed into place in a file-offset image of
   the object (over a network the footer was read twice, see :meth:`RemoteFiles.confirm`).
@@ -30,7 +30,7 @@ from epochcache.sources.base import RemoteObject, Unit
 from epochcache.sources.files import FileSource
 from epochcache.sources.pool import release_unused
 from epochcache.sources.remote import blank_image
-from epochcache.sources.wholes import KEEP_BYTES, WHOLE_OBJECT_BYTES, WholeObjects
+from epochcache.sources.wholes import KEEP_BYTES, WHOLE_OBJECT_BYTES, WholeObjects, footer_differs
 
 _SUFFIXES = (".parquet", ".parq")
 # pyarrow reads this much of the tail in its first footer read; serving it from one GET keeps
@@ -90,15 +90,9 @@ class ParquetSource(FileSource):
 
     def _read_whole(self, unit: Unit) -> pa.Table:
         """The row group decoded from the object's whole bytes, with the footer in them (checked once,
-        by :meth:`_checked_metadata`). A failed decode lets the bytes go, so the retry fetches them afresh."""
-        data, metadata = self._wholes.bytes_of(unit.obj)
-        try:
-            table = self._decode(unit, data, metadata)
-        except CorruptObjectError:
-            self._wholes.forget(unit.obj)
-            raise
-        self._wholes.done(unit.obj, unit.index, metadata.num_row_groups)
-        return table
+        by :meth:`_checked_metadata`); a failed decode lets the bytes go, so the retry fetches them afresh."""
+        return self._wholes.unit(unit.obj, unit.index, functools.partial(self._decode, unit),
+                                 lambda metadata: metadata.num_row_groups)
 
     def _checked_metadata(self, obj: RemoteObject, data: pa.Buffer) -> pq.FileMetaData:
         """The metadata in an object's whole bytes, which must be the one its units were listed from:
@@ -106,8 +100,7 @@ class ParquetSource(FileSource):
         metadata = _footer(obj.path, pa.BufferReader(data))
         if not metadata.equals(self._metadata(obj)):
             self._metadata.cache_clear()
-            raise CorruptObjectError(f"{obj.path}: its footer as read apart differs from the one in its whole "
-                                     "bytes: damaged in transit")
+            raise footer_differs(obj)
         return metadata
 
     def _decode(self, unit: Unit, data: pa.Buffer, metadata: pq.FileMetaData) -> pa.Table:

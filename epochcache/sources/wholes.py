@@ -15,7 +15,7 @@ Invariants: an object is fetched and parsed at most once while held (concurrent 
 units wait for that one fetch), and its bytes reach no reader before ``parse`` accepted them (a
 footer read apart that differs is an error for every waiter, and the next read fetches again); at
 most ``keep_bytes`` of objects are held, the least recently read let go first: an object whose other
-units were cached already is never read again in a pass, and the one read by the current mixing
+units were cached already is never read again in a pass, and the ones read by the current mixing
 window are the most recent (the caller keeps ``keep_bytes`` at least a window's worth: see
 :func:`epochcache.sources.open_source`).
 """
@@ -30,6 +30,7 @@ from typing import Generic, TypeVar
 
 import pyarrow as pa
 
+from epochcache.errors import CorruptObjectError
 from epochcache.sources.base import RemoteObject
 from epochcache.sources.remote import RemoteFiles
 
@@ -39,6 +40,7 @@ WHOLE_OBJECT_BYTES = 8 * 2**20
 KEEP_BYTES = 8 * WHOLE_OBJECT_BYTES
 
 P = TypeVar("P")
+T = TypeVar("T")
 _Key = tuple[str, str | None, int]
 
 
@@ -92,6 +94,20 @@ class WholeObjects(Generic[P]):
         self._make_room()
         return got
 
+    def unit(self, obj: RemoteObject, index: int, decode: Callable[[pa.Buffer, P], T],
+             units: Callable[[P], int]) -> T:
+        """Unit ``index`` of ``obj``: ``decode(its bytes, their parse)``. A decode that fails
+        (:class:`CorruptObjectError`) lets the bytes go (:meth:`forget`); once each of the object's
+        ``units(parse)`` units was decoded, it is let go (:meth:`done`)."""
+        data, parsed = self.bytes_of(obj)
+        try:
+            decoded = decode(data, parsed)
+        except CorruptObjectError:
+            self.forget(obj)
+            raise
+        self.done(obj, index, units(parsed))
+        return decoded
+
     def forget(self, obj: RemoteObject) -> None:
         """Let ``obj``'s bytes go (a unit's decode failed): the next read fetches them again, as a retry
         must where the store offers no checksum to have checked them."""
@@ -133,6 +149,12 @@ class WholeObjects(Generic[P]):
                 if held.data.done():
                     del self._held[key]
                     total -= held.size
+
+
+def footer_differs(obj: RemoteObject) -> CorruptObjectError:
+    """The error of a footer read apart that is not the one in the object's whole bytes."""
+    return CorruptObjectError(f"{obj.path}: its footer as read apart differs from the one in its whole bytes: "
+                              "damaged in transit")
 
 
 def _key(obj: RemoteObject) -> _Key:
