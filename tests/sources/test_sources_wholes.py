@@ -187,13 +187,15 @@ def test_flipped_bits_in_small_arrow_objects_never_reach_a_row(s3: Any, bucket: 
         proxy.close()
 
 
+@pytest.mark.parametrize("where", ["footer", "unit"])
 @pytest.mark.parametrize("fmt", ["arrow", "parquet"])
 def test_a_failed_whole_read_is_fetched_afresh_on_the_retry(
-    s3: Any, bucket: str, s3_options: dict[str, Any], monkeypatch: pytest.MonkeyPatch, fmt: str
+    s3: Any, bucket: str, s3_options: dict[str, Any], monkeypatch: pytest.MonkeyPatch, fmt: str, where: str
 ) -> None:
     """The first whole fetch comes back damaged where no checksum caught it (injection: as from a store
-    whose ETags are no MD5s), in its footer's length: the read is corrupt, and the retry fetches the
-    bytes again rather than decoding the held ones again."""
+    whose ETags are no MD5s), in its footer's length (its parse fails) or at the start of its first
+    unit (that unit's decode fails): the read is corrupt, and the retry fetches the bytes again rather
+    than using the held ones again."""
     import pyarrow.parquet as pq
 
     from epochcache.sources import ArrowSource, ParquetSource
@@ -207,21 +209,25 @@ def test_a_failed_whole_read_is_fetched_afresh_on_the_retry(
         else:
             pq.write_table(table, f, row_group_size=10)
     source = (ArrowSource if fmt == "arrow" else ParquetSource)(f"s3://{bucket}/once", storage_options=s3_options)
+    (obj,) = source.list_objects()
+    units = source.units(obj)
+    if where == "footer":  # the footer length's high byte (then ARROW1 / PAR1)
+        at, span = obj.size - (7 if fmt == "arrow" else 5), 1
+    else:  # the first batch's message length / the first page's header, after the file's magic
+        at = source._footer(obj).blocks[0][0] if fmt == "arrow" else 4  # type: ignore[attr-defined]
+        span = 8
     fetched: list[str] = []
-    real = source._remote.fetch_whole
+    real = source._remote.fetch_whole  # type: ignore[attr-defined]
 
     def damaged_once(obj: RemoteObject) -> bytes:
         data = real(obj)
         fetched.append(obj.path)
         if len(fetched) > 1:
             return data
-        at = len(data) - (7 if fmt == "arrow" else 5)  # the footer length's high byte (then ARROW1 / PAR1)
-        return data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:]
+        return data[:at] + bytes(b ^ 0x40 for b in data[at:at + span]) + data[at + span:]
 
-    monkeypatch.setattr(source._remote, "fetch_whole", damaged_once)
-    (obj,) = source.list_objects()
-    units = source.units(obj)
-    with pytest.raises(CorruptObjectError, match="footer"):
+    monkeypatch.setattr(source._remote, "fetch_whole", damaged_once)  # type: ignore[attr-defined]
+    with pytest.raises(CorruptObjectError, match="footer" if where == "footer" else "unreadable"):
         source.read(units[0])
     assert source.read(units[0]).column("id").to_pylist() == list(range(10))
     assert len(fetched) == 2
