@@ -200,7 +200,8 @@ def test_no_credentials_is_one_line_exit_2(s3_endpoint: str, tmp_path: Path) -> 
     path.write_text(yaml.safe_dump({
         "source": {"url": "s3://no-such-bucket-creds/data/",
                    "storage_options": {"client_kwargs": {"endpoint_url": s3_endpoint}}},
-        "cache": {"dir": "cache"},
+        # a budget any disk holds: the default 10GB warns on a fuller disk, a second stderr line
+        "cache": {"dir": "cache", "max_bytes": "5MB"},
         "sampler": {"max_attempts": 1},
     }))
     env = {key: value for key, value in os.environ.items() if not key.startswith("AWS_")}
