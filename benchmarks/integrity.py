@@ -110,7 +110,7 @@ def sync_and_compare(endpoint: str, tmp: Path, source: dict[int, bytes]) -> dict
                 ids.append(row_id)
                 identical += source.get(row_id) == payload
         skipped = {key: info.get("error", "") for key, info in ledger.daemon.skipped().items()}
-        counters = ledger.counters()
+        counters = ledger.counters.all()
     finally:
         ledger.close()
     return {

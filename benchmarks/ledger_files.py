@@ -125,17 +125,17 @@ def killed_publisher(layout: CacheLayout) -> int:
     """Start a publisher, SIGKILL it once it has published a few shards (mid-publish, as its time is
     all publishing); how many it published."""
     ledger = Ledger(layout.ledger)
-    before = ledger.counters().get("published", 0)
+    before = ledger.counters.all().get("published", 0)
     child = multiprocessing.get_context("spawn").Process(target=_publish_forever, args=(str(layout.root),))
     child.start()
     deadline = time.monotonic() + 120
-    while ledger.counters().get("published", 0) - before < 20 and time.monotonic() < deadline:
+    while ledger.counters.all().get("published", 0) - before < 20 and time.monotonic() < deadline:
         ledger.db.version()  # a poll of the child's progress (a condition with a deadline, no fixed sleep)
         child.join(0.01)
     assert child.pid is not None
     os.kill(child.pid, signal.SIGKILL)
     child.join()
-    published = ledger.counters().get("published", 0) - before
+    published = ledger.counters.all().get("published", 0) - before
     ledger.close()
     return int(published)
 

@@ -143,7 +143,7 @@ def egress(remote: str, cache: Path, budget: int) -> dict[str, Any]:
         stop.set()
         thread.join(60)
     try:
-        fetched = ledger.counters().get("fetched_bytes", 0)
+        fetched = ledger.counters.all().get("fetched_bytes", 0)
     finally:
         ledger.close()
     return {"fetched_bytes": fetched, "budget": budget, "fetched_per_budget": fetched / budget, "seconds": seconds}
@@ -176,7 +176,7 @@ def run(remote: str, cache: Path, budget: int, overrides: dict[str, str], args: 
     ledger = Ledger(CacheLayout(cache).ledger)
     try:
         covered = coverage_of(ledger)
-        fetched = ledger.counters().get("fetched_bytes", 0)
+        fetched = ledger.counters.all().get("fetched_bytes", 0)
     finally:
         ledger.close()
     return {
@@ -197,7 +197,7 @@ def made_room(cache: Path) -> bool:
     """Whether the daemon has made room in ``cache`` yet (evicted or retired a shard): it filled once."""
     ledger = Ledger(CacheLayout(cache).ledger)
     try:
-        return ledger.counters().get("evicted", 0) > 0 or ledger.usage().retiring_bytes > 0
+        return ledger.counters.all().get("evicted", 0) > 0 or ledger.usage().retiring_bytes > 0
     finally:
         ledger.close()
 

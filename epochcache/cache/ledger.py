@@ -38,7 +38,7 @@ from typing import Any
 
 from epochcache.cache.layout import SHARD_SUFFIX
 from epochcache.cache.ledger_daemon import DaemonState
-from epochcache.cache.ledger_db import LedgerDatabase, delete_shards, incr, kv, set_kv, unit_hash
+from epochcache.cache.ledger_db import Counters, LedgerDatabase, delete_shards, incr, kv, set_kv, unit_hash
 from epochcache.cache.ledger_leases import Leases, end_ended_leases, live_leases, unleased_retiring
 from epochcache.cache.ledger_quarantine import QuarantineTable
 from epochcache.cache.ledger_records import Lease, Quarantined, ShardRecord, Stage, Usage, by_age, take_until
@@ -78,7 +78,8 @@ class Ledger:
 
     The shard records and the bytes they charge are its own methods; its parts, each on the same
     database: ``db`` (transactions, the change probe ``db.version()``), ``leases`` (epoch leases
-    and epoch records), ``quarantine`` and ``daemon`` (the sync daemon's state between runs).
+    and epoch records), ``quarantine``, ``daemon`` (the sync daemon's state between runs) and
+    ``counters`` (named totals).
     """
 
     def __init__(self, directory: str | Path, connect: Connect = connect) -> None:
@@ -91,6 +92,7 @@ class Ledger:
         self.leases = Leases(self.db)
         self.quarantine = QuarantineTable(self.db)
         self.daemon = DaemonState(self.db)
+        self.counters = Counters(self.db)
         if migrate:
             self._migrate(legacy)
 
@@ -317,16 +319,6 @@ class Ledger:
             set_kv(con, _OUTDATED, sorted(retiring & (set(kv(con, _OUTDATED) or ()) | hit)))
             incr(con, "outdated", len(hit))
         return removed, len(hit) - len(removed)
-
-    # -- counters -------------------------------------------------------------------------------
-
-    def incr(self, name: str, delta: int = 1) -> None:
-        with self.db.write() as con:
-            incr(con, name, delta)
-
-    def counters(self) -> dict[str, int]:
-        with self.db.read() as con:
-            return dict(con.execute("SELECT name, value FROM counters"))
 
 
 def _choose(con: sqlite3.Connection, choose: Chooser, short: int) -> list[ShardRecord]:

@@ -113,8 +113,27 @@ def set_kv(con: sqlite3.Connection, key: str, value: Any) -> None:
 
 
 def incr(con: sqlite3.Connection, name: str, delta: int) -> None:
+    """Add ``delta`` to counter ``name`` (made at 0) inside the transaction of ``con``."""
     con.execute("INSERT INTO counters VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
                 (name, delta))
+
+
+class Counters:
+    """The ``counters`` table of ``db`` (``Ledger.counters``): named totals that only grow, such as
+    units fetched, retries, shards evicted; the ledger's own writes add to them in their transactions."""
+
+    def __init__(self, db: LedgerDatabase) -> None:
+        self._db = db
+
+    def incr(self, name: str, delta: int = 1) -> None:
+        """Add ``delta`` to counter ``name``, in a transaction of its own."""
+        with self._db.write() as con:
+            incr(con, name, delta)
+
+    def all(self) -> dict[str, int]:
+        """Every counter by name."""
+        with self._db.read() as con:
+            return dict(con.execute("SELECT name, value FROM counters"))
 
 
 def unit_hash(key: str) -> int:

@@ -153,7 +153,7 @@ class _Run:
         sampler = self.cfg.sampler
         self.vitals = Vitals(ledger)
         self.retrier = Retrier(sampler.max_attempts, sampler.backoff_s, sampler.backoff_max_s,
-                               lambda name: note(ledger.incr, name), stop, self.vitals.retrying)
+                               lambda name: note(ledger.counters.incr, name), stop, self.vitals.retrying)
         self.skips = SkipBook(ledger, self.retrier, self.claims, self.report, self.vitals, stop)
         # disable=None: a bar on a terminal, none when output goes to a file or pipe.
         show = daemon._progress
@@ -239,7 +239,7 @@ class _Run:
         if dropped:
             log.warning("%s: dropped %d rows with a null in a fixed-width column", unit.key, dropped)
             self.report.rows_dropped += dropped
-            note(self.ledger.incr, "rows_dropped", dropped)
+            note(self.ledger.counters.incr, "rows_dropped", dropped)
         if table.num_rows == 0:  # every row dropped: nothing to add (a shard never holds 0 rows)
             return True
         if building.tables and building.nbytes + table.nbytes > self.cfg.cache.shard_bytes:

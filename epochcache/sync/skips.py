@@ -64,7 +64,7 @@ class SkipBook:
         log.warning("skipping %s for now: %s", key, describe(exc))
         self.report.units_skipped += 1
         self._unread.add(key)
-        note(self.ledger.incr, "units_skipped")
+        note(self.ledger.counters.incr, "units_skipped")
         self.vitals.failed(_what(exc), f"{key}: {describe(exc)}")
         note(self.ledger.daemon.set_skipped, key, {"path": obj.path, "size": obj.size, "index": index, "pass": pass_,
                                                    "stream": stream.name, "error": describe(exc)})
@@ -94,7 +94,7 @@ class SkipBook:
                         yield unit, table
             except ObjectMissingError as exc:
                 log.warning("dropping %s: %s", key, describe(exc))
-                note(self.ledger.incr, "objects_missing")
+                note(self.ledger.counters.incr, "objects_missing")
             except (FetchFailedError, CorruptObjectError) as exc:
                 log.warning("%s failed again at the end of pass %d: %s", key, pass_, describe(exc))
                 self.vitals.failed(_what(exc), f"{key} failed again at the pass end: {describe(exc)}")

@@ -130,5 +130,5 @@ class Vitals:
         self._fields["fetched_bytes"] = self.fetched_bytes
         note(self.ledger.daemon.update_status, self._fields)
         # The cache's lifetime total (this run's is in the state): what epochs' coverage is paid with.
-        note(self.ledger.incr, "fetched_bytes", self.fetched_bytes - self._counted)
+        note(self.ledger.counters.incr, "fetched_bytes", self.fetched_bytes - self._counted)
         self._counted = self.fetched_bytes

@@ -178,7 +178,7 @@ def _train(torch: ModuleType, config_path: Path, epochs: int, out: TextIO) -> li
                 raise LoaderError("the demo's epoch ended without an EpochInfo (loader.last_epoch is None)")
             budget_bytes = int(config.cache.max_bytes)
             cache_bytes = ledger.usage().total
-            evicted = ledger.counters().get("evicted", 0)
+            evicted = ledger.counters.all().get("evicted", 0)
             row: dict[str, float | None] = {
                 "epoch": info.epoch, "shards": info.shards, "samples": seen, "cache_bytes": cache_bytes,
                 "budget": budget_bytes, "evicted": evicted, "samples_per_s": seen / elapsed,

@@ -67,7 +67,7 @@ def cache_status(config: Config) -> dict[str, Any]:
                  "age_s": round(now - lease.get("taken", now), 1), "expires_in_s": round(lease["expires"] - now, 1)}
                 for lease in ledger.leases.live(with_shards=False)
             ],
-            "evictions": _evictions(ledger.counters()),
+            "evictions": _evictions(ledger.counters.all()),
             "quarantined": [
                 {"id": q.record.id, "bytes": q.record.nbytes, "reason": q.reason, "age_s": round(now - q.at, 1)}
                 for q in ledger.quarantine.entries()
@@ -78,7 +78,7 @@ def cache_status(config: Config) -> dict[str, Any]:
                  "final": bool(info.get("final"))}
                 for key, info in sorted(skipped.items())[:SKIPPED_ROWS]
             ],
-            "counters": ledger.counters(),
+            "counters": ledger.counters.all(),
             "coverage": None if (covered := coverage_of(ledger)) is None else covered.to_dict(),
             "progress": (cursor or {}).get("progress"),
             "cursor": cursor,

@@ -167,7 +167,7 @@ class EpochBuilder:
             raise
 
     def _quarantines(self) -> int:
-        return self._ledger.counters().get("quarantined", 0)
+        return self._ledger.counters.all().get("quarantined", 0)
 
     def _version_unless_quarantined(self, quarantines: int) -> int | None:
         """The ledger's version now, if no shard was quarantined since ``quarantines`` were counted

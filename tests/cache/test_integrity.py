@@ -74,7 +74,7 @@ def test_corrupt_shards_are_quarantined_and_the_epoch_completes(
     assert sorted(p.name for p in layout.quarantine.iterdir()) == sorted(
         [flipped.filename, truncated.filename, garbled.filename]
     )
-    assert ledger.counters()["quarantined"] == 3
+    assert ledger.counters.all()["quarantined"] == 3
     assert ledger.usage().quarantined_bytes == flipped.nbytes + truncated.nbytes + garbled.nbytes  # in the budget
     assert check(layout, ledger, checksums=True).problems == 0
     ledger.close()
@@ -141,7 +141,7 @@ def test_disk_full_publishes_nothing_backs_off_and_resumes(
     state = wait_for(lambda: (s := ledger.daemon.status()) and s["state"] == "disk full, backing off" and s)
     assert "No space left" in state["error"]
     wait_for(lambda: len(failures) >= 2, timeout=10)  # it retried after backing off
-    assert ledger.shards() == [] and ledger.counters().get("published", 0) == 0
+    assert ledger.shards() == [] and ledger.counters.all().get("published", 0) == 0
     assert ledger.usage().reserved_bytes == 0
     # each failed temp file removed before the next attempt (checked there: the attempt in flight now
     # may hold its own, under the same name, as the retry writes the same shard)

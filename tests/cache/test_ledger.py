@@ -187,7 +187,7 @@ def test_make_room_within_budget_reserves(ledger: Ledger) -> None:
     assert ledger.make_room(S, budget=3 * S + SLACK, choose=Fifo()) == []
     assert ids(ledger.shards()) == ["s1", "s2"]
     assert ledger.usage().reserved_bytes == S
-    assert ledger.counters().get("evicted", 0) == 0
+    assert ledger.counters.all().get("evicted", 0) == 0
 
 
 def test_reservations_count_against_budget(ledger: Ledger) -> None:
@@ -217,7 +217,7 @@ def test_make_room_over_budget_evicts_oldest(ledger: Ledger) -> None:
     usage = ledger.usage()
     assert usage.reserved_bytes == 2 * S
     assert usage.total <= 4 * S + SLACK
-    assert ledger.counters()["evicted"] == 2
+    assert ledger.counters.all()["evicted"] == 2
 
 
 def test_make_room_never_returns_leased_shard(ledger: Ledger) -> None:
@@ -251,7 +251,7 @@ def test_victims_never_leased_and_budget_kept_over_many_epochs(ledger: Ledger) -
         assert not leased & set(ids(victims)), f"step {step}: evicted a leased shard"
         assert ledger.usage().total <= budget
         ledger.publish(record(step))
-    assert ledger.counters()["evicted"] > 0
+    assert ledger.counters.all()["evicted"] > 0
     assert ledger.usage().total <= budget
 
 
@@ -264,7 +264,7 @@ def test_make_room_blocked_by_leases_retires_then_evicts(ledger: Ledger) -> None
     assert ledger.make_room(S, budget, Fifo()) is None
     assert ids(ledger.shards()) == ids(records)  # nothing evicted
     assert ledger.usage().reserved_bytes == 0  # nothing reserved
-    assert ledger.counters().get("evicted", 0) == 0
+    assert ledger.counters.all().get("evicted", 0) == 0
 
     # The oldest shard is retiring: the next epoch's snapshot leaves it out.
     nxt = ledger.leases.snapshot("trainer", ttl_s=60)
@@ -278,7 +278,7 @@ def test_make_room_blocked_by_leases_retires_then_evicts(ledger: Ledger) -> None
     assert ids(ledger.shards()) == ["s1", "s2"]
     assert ledger.usage().reserved_bytes == S
     assert retiring_ids(ledger) == []
-    assert ledger.counters()["evicted"] == 1
+    assert ledger.counters.all()["evicted"] == 1
 
 
 def test_make_room_after_release_evicts_retiring_first(ledger: Ledger) -> None:
@@ -366,12 +366,12 @@ def test_cursor_and_listing_round_trip(ledger: Ledger) -> None:
 
 
 def test_counters(ledger: Ledger) -> None:
-    assert ledger.counters() == {}
-    ledger.incr("retries")
-    ledger.incr("retries", 4)
-    ledger.incr("bytes_read", 1000)
+    assert ledger.counters.all() == {}
+    ledger.counters.incr("retries")
+    ledger.counters.incr("retries", 4)
+    ledger.counters.incr("bytes_read", 1000)
     publish_all(ledger, [record(0), record(1)])
-    assert ledger.counters() == {"retries": 5, "bytes_read": 1000, "published": 2}
+    assert ledger.counters.all() == {"retries": 5, "bytes_read": 1000, "published": 2}
 
 
 # -- several processes ----------------------------------------------------------------------------
@@ -398,7 +398,7 @@ def test_second_ledger_on_same_directory_sees_same_data(tmp_path: Path) -> None:
         usage = trainer_side.usage()
         assert isinstance(usage, Usage)
         assert usage.reserved_bytes == S
-        assert trainer_side.counters()["evicted"] == 1
+        assert trainer_side.counters.all()["evicted"] == 1
     finally:
         daemon_side.close()
         trainer_side.close()
@@ -413,7 +413,7 @@ def test_reopened_ledger_keeps_data(tmp_path: Path) -> None:
     try:
         assert ids(again.shards()) == ["s0"]
         assert again.daemon.listing() == {"objects": []}
-        assert again.counters() == {"published": 1}
+        assert again.counters.all() == {"published": 1}
     finally:
         again.close()
 
@@ -477,11 +477,11 @@ def test_evictions_counted_per_policy_label(ledger: Ledger) -> None:
     policy = MaxUses(Fifo(), max_uses=1)
     victims = ledger.make_room(S, budget=5 * S + SLACK, choose=policy, evict_to=3 * S + SLACK)
     assert ids(victims) == ["s0", "s1", "s2"]
-    assert ledger.counters()["evicted.max_uses"] == 3
+    assert ledger.counters.all()["evicted.max_uses"] == 3
     ledger.clear_reservation()
     ledger.publish(record(10))
     assert ids(ledger.make_room(3 * S, budget=4 * S + SLACK, choose=policy)) == ["s3", "s9"]
-    counters = ledger.counters()
+    counters = ledger.counters.all()
     assert (counters["evicted.max_uses"], counters["evicted.fifo"], counters["evicted"]) == (4, 1, 5)
 
 
@@ -497,7 +497,7 @@ def test_quarantine_keeps_bytes_charged_until_forgotten(ledger: Ledger) -> None:
     assert usage.total == 2 * S + usage.ledger_bytes
     # Quarantined bytes block a reservation like any other bytes, and are never evicted by a policy.
     assert ledger.make_room(S, budget=2 * S + SLACK, choose=lambda *_: []) is None
-    assert ledger.counters()["quarantined"] == 1
+    assert ledger.counters.all()["quarantined"] == 1
     ledger.quarantine.forget(["s1"])
     assert ledger.quarantine.entries() == [] and ledger.usage().quarantined_bytes == 0
     assert ledger.make_room(S, budget=2 * S + SLACK, choose=lambda *_: []) == []
@@ -506,8 +506,8 @@ def test_quarantine_keeps_bytes_charged_until_forgotten(ledger: Ledger) -> None:
 def test_adopt_records_and_counts(ledger: Ledger) -> None:
     ledger.adopt([record(1), record(2)])
     assert ids(ledger.shards()) == ["s1", "s2"]
-    assert ledger.counters()["adopted"] == 2
-    assert ledger.counters().get("published", 0) == 0
+    assert ledger.counters.all()["adopted"] == 2
+    assert ledger.counters.all().get("published", 0) == 0
 
 
 def test_daemon_state_round_trip(ledger: Ledger) -> None:
@@ -559,7 +559,7 @@ def test_each_epoch_run_is_recorded_with_distinct_samples_at_unit_level(ledger: 
     ahead, then dropped) records nothing."""
     first = dataclasses.replace(record(1), units=("a#0", "a#1"))  # 100 rows, 2 units
     ledger.publish(first)
-    ledger.incr("fetched_bytes", 500)
+    ledger.counters.incr("fetched_bytes", 500)
     ledger.leases.release(ledger.leases.snapshot("prepared-ahead", ttl_s=60).id)
     assert ledger.leases.epochs() == []
     _epoch(ledger, 100)

@@ -114,7 +114,7 @@ def test_whole_unknown_shard_is_adopted(layout: CacheLayout, ledger: Ledger) -> 
     assert reconcile(layout, ledger) == Repairs(adopted=1)
     (adopted,) = [r for r in ledger.shards() if r.id == "orphan"]
     assert adopted == orphan  # id, file, size, rows, created, checksum and units all recovered
-    assert ledger.counters()["adopted"] == 1
+    assert ledger.counters.all()["adopted"] == 1
     assert reconcile(layout, ledger) == Repairs()
 
 

@@ -87,7 +87,7 @@ def test_continuous_sync_rotates_within_the_budget(remote: str, make_config: Cal
     config = make_config(remote, **SMALL, **{"cache.min_uses": 0})  # rotate though no epoch uses the shards
     runner = DaemonThread(SyncDaemon(config, progress=False))
     ledger = _ledger(config)
-    wait_for(lambda: ledger.counters().get("evicted", 0) >= 3 or runner.error)
+    wait_for(lambda: ledger.counters.all().get("evicted", 0) >= 3 or runner.error)
     report = runner.stop()
     assert report.evicted >= 3
     assert ledger.usage().total <= int(config.cache.max_bytes)
@@ -110,9 +110,9 @@ def test_with_no_epoch_the_daemon_fills_the_budget_once_and_waits(
     published_units = sum(len(r.units) for r in ledger.shards())
     # At most the reads in flight and one shard's units beyond what is published: fetching has stopped.
     assert len(fetched) <= published_units + config.sampler.concurrency + 8, (len(fetched), published_units)
-    assert ledger.counters().get("evicted", 0) == 0
+    assert ledger.counters.all().get("evicted", 0) == 0
     ledger.leases.release(ledger.leases.snapshot("epoch-0", ttl_s=60).id)  # an epoch used every shard
-    wait_for(lambda: ledger.counters().get("evicted", 0) > 0 or runner.error)
+    wait_for(lambda: ledger.counters.all().get("evicted", 0) > 0 or runner.error)
     runner.stop()
     assert ledger.usage().total <= int(config.cache.max_bytes)
     ledger.close()
@@ -135,9 +135,9 @@ def test_leased_shards_are_never_evicted(remote: str, make_config: Callable[...,
     runner = DaemonThread(SyncDaemon(config, progress=False))
     # the daemon needs room, finds only leased shards, marks the oldest retiring and waits
     wait_for(lambda: len(_probe(ledger)) < len(lease.shards) or runner.error)
-    assert all(p.exists() for p in leased_paths) and ledger.counters().get("evicted", 0) == 0
+    assert all(p.exists() for p in leased_paths) and ledger.counters.all().get("evicted", 0) == 0
     ledger.leases.release(lease.id)
-    wait_for(lambda: ledger.counters().get("evicted", 0) > 0 or runner.error)
+    wait_for(lambda: ledger.counters.all().get("evicted", 0) > 0 or runner.error)
     runner.stop()
     assert not leased_paths[0].exists(), "once the lease ended, the oldest (retiring) shard went first"
     ledger.close()

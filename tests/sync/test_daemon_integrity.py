@@ -196,7 +196,7 @@ def test_zero_row_units_are_skipped_and_null_rows_dropped(
     ledger = _ledger(config)
     assert all(record.rows > 0 for record in ledger.shards())
     assert {key for key in ledger.daemon.skipped()} == {f"{remote}/part-001.parquet#0", f"{remote}/part-001.parquet#1"}
-    assert ledger.counters()["rows_dropped"] == 2
+    assert ledger.counters.all()["rows_dropped"] == 2
     ledger.close()
 
 
@@ -351,7 +351,7 @@ def test_the_daemon_keeps_retrying_an_unreachable_endpoint_and_shows_it(
 
     def failures() -> int:
         failing = (ledger.daemon.status() or {}).get("last_error") is not None
-        return ledger.counters().get("give_ups", 0) if failing else 0
+        return ledger.counters.all().get("give_ups", 0) if failing else 0
 
     try:
         wait_for(lambda: failures() >= 2, timeout=20)  # failed, backed off, tried again: still running

@@ -83,7 +83,7 @@ def test_ten_percent_faults_every_unit_published_once_or_skipped(
     assert set(proxy.faults) == set(KINDS), proxy.faults  # the run really went through every kind of fault
     ledger, tables = _cached_rows(config)
     skipped = set(ledger.daemon.skipped())
-    counters, cursor = ledger.counters(), ledger.daemon.cursor()
+    counters, cursor = ledger.counters.all(), ledger.daemon.cursor()
     ledger.close()
     assert len(log.published) == len(set(log.published)), "no unit published twice"
     all_units = {f"{bucket}/data/part-{f:03d}.parquet#{g}" for f in range(FILES) for g in range(GROUPS)}
@@ -117,7 +117,7 @@ def test_an_object_deleted_mid_pass_is_skipped_and_the_pass_completes(
     report = daemon.run(once=True)
     assert report.reason is StopReason.EXHAUSTED
     ledger, tables = _cached_rows(config)
-    counters, skipped = ledger.counters(), ledger.daemon.skipped()
+    counters, skipped = ledger.counters.all(), ledger.daemon.skipped()
     ledger.close()
     assert not skipped, "a vanished object is dropped at the end of the pass, not kept for retry"
     assert counters.get("objects_missing", 0) >= 1
@@ -242,7 +242,7 @@ def test_a_unit_that_keeps_failing_is_skipped_then_retried_at_the_end_of_the_pas
     log = UnitLog()
     report = log.daemon(config).run(once=True)
     ledger = Ledger(CacheLayout(Path(config.cache.dir)).ledger)
-    counters, skipped = ledger.counters(), ledger.daemon.skipped()
+    counters, skipped = ledger.counters.all(), ledger.daemon.skipped()
     ledger.close()
     assert report.reason is StopReason.EXHAUSTED and report.units_skipped == 1
     assert counters["retries"] == 2 and counters["give_ups"] == 1 and counters["units_skipped"] == 1

@@ -118,8 +118,9 @@ def test_kill_9_daemon_30_times(tmp_path: Path, procs: list[subprocess.Popen[Any
     verify = subprocess.run([sys.executable, "-m", "epochcache", "verify", "-c", str(config), "--json"],
                             capture_output=True, text=True, timeout=60)
     assert verify.returncode == 0 and json.loads(verify.stdout)["problems"] == 0, verify.stdout + verify.stderr
+    adopted = ledger.counters.all().get("adopted", 0)
     print(f"kills with a temp file left: {sum(1 for d in debris if d)}/30; "
-          f"adopted shards: {ledger.counters().get('adopted', 0)}; samples cached before the last run: {cached_before}")
+          f"adopted shards: {adopted}; samples cached before the last run: {cached_before}")
     ledger.close()
 
 
@@ -145,7 +146,7 @@ def test_kill_9_mid_write_and_before_publish(
     assert finish.returncode == 0, finish.stderr
     assert f"reconciled {layout.root}" in finish.stderr  # repaired at start, and said so
     assert check(layout, ledger, checksums=True) == Repairs()
-    assert ledger.counters().get("adopted", 0) == found.adopted
+    assert ledger.counters.all().get("adopted", 0) == found.adopted
     units = [unit for record in ledger.shards() for unit in record.units]
     assert len(units) == len(set(units)) == files * rows // 32
     ids = sorted(int(i) for r in ledger.shards() for i in open_shard(layout.shards / r.filename)["id"].to_pylist())
@@ -177,7 +178,7 @@ def test_two_trainers_never_see_the_budget_overrun(tmp_path: Path, procs: list[s
         trainers = [_trainer(cache, 2.0, "15") for _ in range(2)]
         procs.extend(trainers)
         outputs = [t.communicate(timeout=240) for t in trainers]
-        evicted = ledger.counters().get("evicted", 0)
+        evicted = ledger.counters.all().get("evicted", 0)
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(60) == 0
     done.set()
@@ -216,7 +217,7 @@ def test_killed_trainer_lease_expires_and_eviction_resumes(
         daemon = _daemon(config, log)
         procs.append(daemon)
         wait_for(lambda: (ledger.daemon.status() or {}).get("state") == "backpressure", timeout=30)
-        assert ledger.counters().get("evicted", 0) == 0
+        assert ledger.counters.all().get("evicted", 0) == 0
         assert main(["status", "-c", str(config), "--json"]) == 0
         status = json.loads(capsys.readouterr().out)
         assert status["daemon"].startswith(f"running pid {daemon.pid}: backpressure for")
@@ -227,7 +228,7 @@ def test_killed_trainer_lease_expires_and_eviction_resumes(
                                                                for r in ledger.shards())
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(30)
-        wait_for(lambda: ledger.counters().get("evicted", 0) > 0, timeout=30)  # the lease expired
+        wait_for(lambda: ledger.counters.all().get("evicted", 0) > 0, timeout=30)  # the lease expired
         wait_for(lambda: held - {r.id for r in ledger.shards()}, timeout=30)
         wait_for(lambda: ledger.daemon.status()["state"] == "running", timeout=30)
         assert ledger.leases.live() == []

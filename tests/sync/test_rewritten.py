@@ -70,7 +70,7 @@ def test_the_next_pass_reads_a_rewritten_objects_new_rows_and_deletes_the_old(
     ledger = Ledger(CacheLayout(Path(remote.cache.dir)).ledger)
     try:
         assert ledger.usage().retiring_bytes == 0, "no epoch held the old rows: their shards are gone"
-        assert ledger.counters()["outdated"] >= 1
+        assert ledger.counters.all()["outdated"] >= 1
     finally:
         ledger.close()
     assert _epoch_ids(remote) == expected
@@ -102,6 +102,6 @@ def test_an_unchanged_or_shrunk_remote_retires_nothing(remote: Config, s3: Any, 
         SyncDaemon(remote, progress=False).run(once=True)
         s3.rm(f"{bucket}/data/part-2.parquet")
         SyncDaemon(remote, progress=False).run(once=True)
-        assert {r.id for r in ledger.shards()} == before and "outdated" not in ledger.counters()
+        assert {r.id for r in ledger.shards()} == before and "outdated" not in ledger.counters.all()
     finally:
         ledger.close()

@@ -20,7 +20,7 @@ def _cache_with_epochs(tmp_path: Path, epochs: int) -> Path:
     for n in range(epochs):
         ledger.publish(ShardRecord(id=f"s{n}", filename=f"s{n}.arrow", nbytes=1000, rows=10, created=float(n),
                                    checksum=f"{n:032x}", units=(f"obj{n}#0",)))
-        ledger.incr("fetched_bytes", 1000)
+        ledger.counters.incr("fetched_bytes", 1000)
         lease = ledger.leases.snapshot("trainer", ttl_s=60)
         ledger.leases.record_epoch(lease.id, 10)
         ledger.leases.release(lease.id)

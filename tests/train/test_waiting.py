@@ -47,20 +47,20 @@ def publish(layout: CacheLayout, ledger: Ledger, rows: int, unit: str) -> None:
 
 def test_a_commit_by_another_connection_is_a_change(ledger: Ledger, daemons_ledger: Ledger) -> None:
     changes = LedgerChanges(ledger)
-    daemons_ledger.incr("units_skipped")
+    daemons_ledger.counters.incr("units_skipped")
     assert changes.wait(threading.Event(), timeout_s=30)
     assert not changes.wait(threading.Event(), timeout_s=0.05)  # seen once: no change since
 
 
 def test_its_own_commits_are_no_change(ledger: Ledger) -> None:
     changes = LedgerChanges(ledger)
-    ledger.incr("units_skipped")
+    ledger.counters.incr("units_skipped")
     assert not changes.wait(threading.Event(), timeout_s=0.05)
 
 
 def test_a_commit_before_the_wait_begins_is_not_missed(ledger: Ledger, daemons_ledger: Ledger) -> None:
     changes = LedgerChanges(ledger)  # made before the state is looked at
-    daemons_ledger.incr("units_skipped")  # between the look and the wait
+    daemons_ledger.counters.incr("units_skipped")  # between the look and the wait
     assert changes.wait(threading.Event(), timeout_s=30)
 
 
