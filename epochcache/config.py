@@ -293,6 +293,8 @@ class LoaderConfig(_Section):
     # Open memory maps kept per loader: vm.max_map_count (65,530 by default) bounds them per process,
     # and an epoch may span far more shards; past this many, the least recently used is unmapped.
     max_open_shards: int = Field(default=1024, ge=1)
+    # Shard pages each reading process keeps mapped (epochcache.train.mappings); None: no bound.
+    max_mapped_bytes: ByteSize | None = Field(default=None, gt=0)
 
 
 class Config(_Section):

@@ -64,16 +64,18 @@ class ShardSetDataset(Dataset[Batch]):
     def __init__(
         self, paths: Sequence[str | Path], rows: Sequence[int], columns: Sequence[str] | None = None,
         maps: ShardMaps[Views] | None = None, on_unreadable: Callable[[str, Exception], None] | None = None,
-        max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
+        max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS, max_mapped_bytes: int | None = None,
     ):
         """``maps``: this process's open shard mappings (a loader shares one across its epochs, so
-        consecutive epochs reuse them); None makes one of ``max_open_shards`` on first use. Workers
-        (after pickling) make their own. ``on_unreadable`` must pickle if workers read the dataset."""
+        consecutive epochs reuse them); None makes one of ``max_open_shards`` and ``max_mapped_bytes``
+        (see :class:`ShardMaps`) on first use. Workers (after pickling) make their own, with the same
+        bounds. ``on_unreadable`` must pickle if workers read the dataset."""
         if len(paths) != len(rows):
             raise ValueError(f"{len(paths)} shard paths but {len(rows)} row counts")
         self._offsets = np.concatenate([[0], np.cumsum(np.asarray(rows, dtype=np.int64))])
         self._shards = HeldShards([str(p) for p in paths], columns, maps,
-                                  maps.capacity if maps is not None else max_open_shards, on_unreadable)
+                                  maps.capacity if maps is not None else max_open_shards, on_unreadable,
+                                  maps.max_mapped_bytes if maps is not None else max_mapped_bytes)
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
@@ -81,6 +83,10 @@ class ShardSetDataset(Dataset[Batch]):
     @property
     def max_open_shards(self) -> int:
         return self._shards.max_open
+
+    @property
+    def max_mapped_bytes(self) -> int | None:
+        return self._shards.max_mapped
 
     def use_maps(self, maps: ShardMaps[Views]) -> None:
         """Open shards through ``maps`` (a process's set, kept across epochs) from now on: an unpickled
@@ -162,6 +168,7 @@ class ShardSetDataset(Dataset[Batch]):
     def _build(self, plans: dict[str, RowPlan], others: list[str], shard_of: np.ndarray, local: np.ndarray,
                start: int, end: int) -> Batch:
         """Rows ``start:end`` of a planned run (``shard_of`` and ``local``: theirs), while its shards are held."""
+        self._shards.trim()
         batch = {name: torch.from_numpy(plan.rows(start, end)) for name, plan in plans.items()}
         if others:
             batch.update(self._gather_by_shard(others, shard_of, local))
@@ -197,6 +204,7 @@ class ShardSetDataset(Dataset[Batch]):
         """Rows ``local`` of shards ``shard_of`` (at most ``max_open_shards`` shards), those of unreadable
         shards left out: each fixed-width column in one call (epochcache.train.rowspace), into fresh
         arrays or, given ``into``, into its arrays from row ``at`` on; others per shard."""
+        self._shards.trim()
         readable = self._shards.hold(shard_of)
         if not readable.all():
             shard_of, local = shard_of[readable], local[readable]

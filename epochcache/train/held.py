@@ -19,6 +19,7 @@ pickling (into DataLoader workers) sends paths, and the receiving process maps i
 from __future__ import annotations
 
 import logging
+import mmap
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
@@ -54,17 +55,19 @@ def distinct(numbers: np.ndarray) -> np.ndarray:
 
 class HeldShards:
     """Shards ``paths`` (by number), columns ``columns`` (None: all but the key), at most ``max_open``
-    held at once; ``maps``: this process's mapping set (None: one made on first use, as in a worker);
-    ``on_unreadable(path, error)`` told of each shard that cannot be read (left out from then on)."""
+    held at once; ``maps``: this process's mapping set (None: one made on first use, as in a worker,
+    bounded by ``max_open`` and ``max_mapped``, see :class:`ShardMaps`); ``on_unreadable(path, error)``
+    told of each shard that cannot be read (left out from then on)."""
 
     def __init__(
         self, paths: Sequence[str], columns: Sequence[str] | None, maps: ShardMaps[Views] | None, max_open: int,
-        on_unreadable: Callable[[str, Exception], None] | None,
+        on_unreadable: Callable[[str, Exception], None] | None, max_mapped: int | None = None,
     ):
         self._paths = list(paths)
         self._columns = list(columns) if columns is not None else None
         self._maps: ShardMaps[Views] | None = None
         self.max_open = max_open
+        self.max_mapped = max_mapped
         self._on_unreadable = on_unreadable
         self._schema: dict[str, pa.DataType] | None = None  # name -> type, from the first readable shard
         self._schema_path = ""
@@ -106,6 +109,12 @@ class HeldShards:
         self._maps = maps
         if len(maps):  # (none on a first epoch: its set of keys, 150 ms for 100,000 shards, is not made)
             maps.retain({(path, self._key) for path in self._paths})
+
+    def trim(self) -> None:
+        """Let the mapped shards' pages go if past ``max_mapped`` (:meth:`ShardMaps.trim`): once per
+        batch, on the thread building it."""
+        if self._maps is not None:
+            self._maps.trim()
 
     def held(self, number: int) -> Views:
         """The views of shard ``number``, held (by :meth:`hold`, for the batch being built)."""
@@ -181,7 +190,7 @@ class HeldShards:
         if self._state[number] == _UNREADABLE:
             return None
         if self._maps is None:
-            self._maps = ShardMaps(self.max_open)
+            self._maps = ShardMaps(self.max_open, self.max_mapped)
         path = self._paths[number]
         try:
             views = self._maps.get((path, self._key), lambda: self._open_one(path))
@@ -193,16 +202,17 @@ class HeldShards:
             return None
         return views
 
-    def _open_one(self, path: str) -> Views:
+    def _open_one(self, path: str) -> tuple[Views, mmap.mmap]:
         known = self._plans.get(path) if self._plans is not None else None
         if known is not None:  # mapped before and checked then: one mmap, no IPC parsing
-            return self._view(known.remap(path), path)
-        arrays, schema, plan = open_planned(path)
+            arrays, mapped = known.remap(path)
+            return self._view(arrays, path), mapped
+        arrays, schema, plan, mapped = open_planned(path)
         views = self._view(arrays, path)
         self._check_schema(schema, path)
         if self._plans is not None and plan is not None:
             self._plans[path] = plan
-        return views
+        return views, mapped
 
     def _check_schema(self, schema: pa.Schema, path: str) -> None:
         names = self._columns or [n for n in schema.names if n != KEY_COLUMN]

@@ -1,7 +1,8 @@
 """ShardMaps: a bounded least-recently-used set of open shard mappings, per process.
 
-In: a key (shard path and column selection) and a function that maps the shard; out: its column
-views, mapped once and reused while they stay among the ``capacity`` most recently used.
+In: a key (shard path and column selection) and a function that maps the shard (its column views and
+the mapping they lie in); out: its column views, mapped once and reused while they stay among the
+``capacity`` most recently used.
 
 Invariants: this object holds at most ``capacity`` mappings, so an epoch over any number of shards
 stays under the kernel's ``vm.max_map_count`` (65,530 by default; each mapping is one map area);
@@ -9,10 +10,19 @@ it holds none of a shard that the newest epoch does not read (:meth:`ShardMaps.r
 shard's file, once evicted and deleted, keeps its blocks on disk for as long as it is mapped.
 Dropping an entry drops only this reference: a batch still holding buffers or tensors of that shard
 keeps its pages mapped until it is freed, so eviction never invalidates data already handed out.
+
+With ``max_mapped_bytes``, the process's mapped pages grow by about that much at most between two
+releases (:meth:`ShardMaps.trim`, called per batch): past it, every mapping held lets its pages go
+(``madvise(MADV_DONTNEED)`` on a read-only shared file mapping). The data stays in the page cache and
+stays valid: the next read maps the page again (a minor fault), so only the process's resident set
+(RSS, PSS) shrinks, to what a reader that ``read()``s its files would show. Without the bound, every
+shard page an epoch touched stays mapped, and counted in the process's RSS, until it is unmapped.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable
@@ -21,34 +31,69 @@ from typing import Generic, TypeVar
 V = TypeVar("V")
 
 DEFAULT_MAX_OPEN_SHARDS = 1024
+STATM = "/proc/self/statm"
+
+
+def mapped_file_bytes() -> int:
+    """Bytes of file-backed and shared memory this process has resident (RssFile + RssShmem, Linux's
+    ``/proc/self/statm``): libraries, mapped shards, shared memory. Read afresh each call, so a forked
+    process measures itself."""
+    with open(STATM, "rb") as f:
+        return int(f.read().split()[2]) * mmap.PAGESIZE
+
+
+def can_bound_mapped_bytes() -> bool:
+    """Whether this platform can measure what :class:`ShardMaps` bounds with ``max_mapped_bytes``."""
+    return os.path.exists(STATM)
 
 
 class ShardMaps(Generic[V]):
-    """Up to ``capacity`` values by key, the least recently used dropped first; thread-safe."""
+    """Up to ``capacity`` values by key, the least recently used dropped first; thread-safe.
+    ``max_mapped_bytes``: see the module docstring (None: no bound); ``measure``: the process's
+    resident mapped bytes (:func:`mapped_file_bytes`; a test gives its own)."""
 
-    def __init__(self, capacity: int = DEFAULT_MAX_OPEN_SHARDS):
+    def __init__(self, capacity: int = DEFAULT_MAX_OPEN_SHARDS, max_mapped_bytes: int | None = None,
+                 measure: Callable[[], int] = mapped_file_bytes):
         if capacity < 1:
             raise ValueError(f"max_open_shards = {capacity}: give at least 1")
         self.capacity = capacity
-        self._values: OrderedDict[Hashable, V] = OrderedDict()
+        self.max_mapped_bytes = max_mapped_bytes
+        self._values: OrderedDict[Hashable, tuple[V, mmap.mmap | None]] = OrderedDict()
         self._lock = threading.Lock()
+        self._measure = measure
+        self._baseline = measure() if max_mapped_bytes is not None else 0
+        self.releases = 0
 
     def __len__(self) -> int:
         return len(self._values)
 
-    def get(self, key: Hashable, open_one: Callable[[], V]) -> V:
-        """The value of ``key``, made with ``open_one`` (outside the lock: mapping does I/O) if absent."""
+    def get(self, key: Hashable, open_one: Callable[[], tuple[V, mmap.mmap | None]]) -> V:
+        """The value of ``key``, made with ``open_one`` (outside the lock: mapping does I/O) if absent;
+        ``open_one`` gives the value and the mapping it lies in (None: not one this object can release)."""
         with self._lock:
             if key in self._values:
                 self._values.move_to_end(key)
-                return self._values[key]
-        value = open_one()
+                return self._values[key][0]
+        value, mapping = open_one()
         with self._lock:
-            self._values[key] = value
+            self._values[key] = (value, mapping)
             self._values.move_to_end(key)
             while len(self._values) > self.capacity:
                 self._values.popitem(last=False)
         return value
+
+    def trim(self) -> bool:
+        """Let go of every held mapping's pages if the process's mapped bytes grew by more than
+        ``max_mapped_bytes`` since the last release (see the module docstring); whether it did."""
+        if self.max_mapped_bytes is None or self._measure() - self._baseline <= self.max_mapped_bytes:
+            return False
+        with self._lock:
+            mappings = [mapping for _, mapping in self._values.values() if mapping is not None]
+        for mapping in mappings:  # (held here, so each is still mapped: never advice on freed memory)
+            mapping.madvise(mmap.MADV_DONTNEED)
+        self._baseline = self._measure()
+        self.releases += 1
+        return True
 
     def retain(self, keys: Collection[Hashable]) -> None:
         """Drop the values whose key is not in ``keys`` (a new epoch's shards): each is unmapped once

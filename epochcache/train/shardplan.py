@@ -48,12 +48,10 @@ class ShardPlan:
 
     columns: dict[str, _ArrayPlan]
 
-    def remap(self, path: str) -> dict[str, pa.Array]:
-        """The shard's columns over a fresh read-only map of ``path`` (zero-copy)."""
-        with open(path, "rb") as f:
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        whole = pa.py_buffer(mapped)  # holds the map: it is unmapped when the last array built on it goes
-        return {name: column.build(whole) for name, column in self.columns.items()}
+    def remap(self, path: str) -> tuple[dict[str, pa.Array], mmap.mmap]:
+        """The shard's columns over a fresh read-only map of ``path`` (zero-copy), and the map."""
+        mapped, whole = map_file(path)
+        return {name: column.build(whole) for name, column in self.columns.items()}, mapped
 
 
 def plan(arrays: dict[str, pa.Array], base_address: int) -> ShardPlan | None:
@@ -87,18 +85,27 @@ def _plan_array(array: pa.Array, base: int) -> _ArrayPlan | None:
     return _ArrayPlan(kind, len(array), array.null_count, array.offset, spans, values)
 
 
-def open_planned(path: str) -> tuple[dict[str, pa.Array], pa.Schema, ShardPlan | None]:
-    """A shard opened the full way (as :func:`epochcache.cache.shards.open_shard`): its columns, schema, and
-    the plan of all its columns (None if one is not plannable)."""
+def map_file(path: str) -> tuple[mmap.mmap, pa.Buffer]:
+    """A read-only shared map of ``path`` and a buffer over all of it, which holds the map: it is
+    unmapped when the last buffer or array built on it goes (and the map object with it)."""
+    with open(path, "rb") as f:
+        try:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError as exc:  # an empty file cannot be mapped
+            raise ShardCorruptError(f"shard {path} is not a valid Arrow IPC file: {exc}") from exc
+    return mapped, pa.py_buffer(mapped)
+
+
+def open_planned(path: str) -> tuple[dict[str, pa.Array], pa.Schema, ShardPlan | None, mmap.mmap]:
+    """A shard opened the full way (as :func:`epochcache.cache.shards.open_shard`): its columns, schema,
+    the plan of all its columns (None if one is not plannable), and the map they lie in."""
+    mapped, whole = map_file(path)
     try:
-        source = pa.memory_map(path, "r")
-        whole = source.read_buffer()
-        source.seek(0)
-        table = pa.ipc.open_file(source).read_all()
+        table = pa.ipc.open_file(pa.BufferReader(whole)).read_all()
     except pa.ArrowInvalid as exc:
         raise ShardCorruptError(f"shard {path} is not a valid Arrow IPC file: {exc}") from exc
     arrays = {name: _one_chunk(column) for name, column in zip(table.column_names, table.columns)}
-    return arrays, table.schema, plan(arrays, whole.address)
+    return arrays, table.schema, plan(arrays, whole.address), mapped
 
 
 def _one_chunk(column: pa.ChunkedArray) -> pa.Array:

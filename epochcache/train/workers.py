@@ -155,7 +155,7 @@ class _WorkerData(Dataset[Any]):
                 self._ring = received
                 continue
             if maps is None:
-                maps = ShardMaps(received.max_open_shards)
+                maps = ShardMaps(received.max_open_shards, received.max_mapped_bytes)
             received.use_maps(maps)
             received.open()
             with self._ready:
