@@ -164,8 +164,9 @@ def _epochcache_loader(args: argparse.Namespace, cache: Path, min_samples: int) 
     from epochcache import EpochCachedLoader
 
     transform = bytes_to_tensor if args.prefix.endswith("bytes") else None
+    mapped = args.max_mapped_mb * 2**20 if args.max_mapped_mb else None
     return EpochCachedLoader(cache, batch_size=args.batch, num_workers=args.workers, transform=transform,
-                             min_samples=min_samples, progress=False)
+                             min_samples=min_samples, progress=False, max_mapped_bytes=mapped)
 
 
 def epochcache_epochs(args: argparse.Namespace) -> Iterator[Iterable[Batch]]:
@@ -194,6 +195,7 @@ def epochcache_first_batch(args: argparse.Namespace) -> dict[str, float]:
     shard (``first_shard_s``, its part of the wait), and the seconds the daemon's imports took."""
     cache = Path(args.cache + "-first-batch")
     daemon = Daemon(args, cache, once=False)
+    print(f"DAEMON {daemon.process.pid}", flush=True)  # this daemon's PSS is its own too, not the trainer's
     imports = daemon.ready()
     started = time.perf_counter()
     daemon.start()

@@ -19,7 +19,9 @@ stores the images as a fixed-size list column, which the loader gathers into the
 (its native path).
 Peers use a torch ``DataLoader`` (LitData's and Streaming's own subclasses) with ``--workers`` (2)
 persistent workers, shuffling on (WebDataset: shard shuffle plus a 1,000-sample buffer). epochcache
-runs its loader with a background batch thread (``thread``) and with ``--workers`` worker processes.
+runs its loader with a background batch thread (``thread``) and with ``--workers`` worker processes,
+and once more on its thread with ``loader.max_mapped_bytes`` set (``--max-mapped-mb``, 32: the trainer
+lets its mapped shard pages go past it, see README).
 Every batch is checked (shape, dtype, index stamp against label) and every epoch must deliver each
 sample exactly once; a system that does not is marked ``wrong`` in the table.
 
@@ -110,6 +112,7 @@ class Variant:
     system: str
     workers: int
     prefix: str
+    max_mapped_mb: int | None = None  # epochcache's loader.max_mapped_bytes, in MiB
 
 
 def variants(args: argparse.Namespace) -> list[Variant]:
@@ -118,11 +121,13 @@ def variants(args: argparse.Namespace) -> list[Variant]:
         Variant("epochcache thread, bytes", "epochcache", 0, "epochcache-bytes"),
         Variant("epochcache thread, tensor", "epochcache", 0, "epochcache-tensor"),
         Variant(f"epochcache {w} workers, bytes", "epochcache", w, "epochcache-bytes"),
+        Variant(f"epochcache thread, bytes, maps<={args.max_mapped_mb}M", "epochcache", 0, "epochcache-bytes",
+                args.max_mapped_mb),
         Variant(f"litdata {w} workers", "litdata", w, "litdata"),
         Variant(f"webdataset {w} workers", "webdataset", w, "webdataset"),
         Variant(f"streaming {w} workers", "streaming", w, "streaming"),
     ]
-    return [v for v in rows if v.system in args.systems]
+    return [v for v in rows if v.system in args.systems and v.max_mapped_mb != 0]
 
 
 INSTALL = {"litdata": "litdata", "webdataset": "webdataset", "streaming": "mosaicml-streaming"}
@@ -201,6 +206,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, endpoint: str, work:
     cache = work / "cache"
     settings = {
         "system": variant.system, "prefix": variant.prefix, "workers": variant.workers, "endpoint": endpoint,
+        "max_mapped_mb": variant.max_mapped_mb,
         "cache": str(cache), "count": args.count, "size": args.size, "batch": args.batch,
         "warm_epochs": args.warm_epochs, "shard_mb": args.shard_mb, "budget": args.budget,
         "urls": (work / "webdataset-urls.txt").read_text().split() if variant.system == "webdataset" else [],
@@ -340,18 +346,18 @@ def medians(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(summary: dict[str, Any], args: argparse.Namespace) -> str:
     sample_mb = (args.size + 8) / 1e6
-    head = (f"{'system':<28}{'cold/s':>8}{'MB/s':>7}{'warm/s':>9}{'MB/s':>7}{'1st batch':>10}{'gap ms':>8}"
+    head = (f"{'system':<32}{'cold/s':>8}{'MB/s':>7}{'warm/s':>9}{'MB/s':>7}{'1st batch':>10}{'gap ms':>8}"
             f"{'(batch)':>8}{'PSS MB':>8}{'(anon)':>7}{'cache MB':>9}{'budget':>7}{'CPU us/sample':>15}  epochs ok")
     lines = [head]
     for name, entry in summary.items():
         m = entry["median"]
         failed = [r["failed"] for r in entry["rounds"] if "failed" in r]
         if not m:
-            lines.append(f"{name:<28}failed in every round: {'; '.join(sorted(set(failed)))}")
+            lines.append(f"{name:<32}failed in every round: {'; '.join(sorted(set(failed)))}")
             continue
         gap = f"{m['epoch_gap_ms']:.2f}" if "epoch_gap_ms" in m else "-"
         lines.append(
-            f"{name:<28}{m['cold_samples_per_s']:>8.0f}{m['cold_samples_per_s'] * sample_mb:>7.0f}"
+            f"{name:<32}{m['cold_samples_per_s']:>8.0f}{m['cold_samples_per_s'] * sample_mb:>7.0f}"
             f"{m['warm_samples_per_s']:>9.0f}{m['warm_samples_per_s'] * sample_mb:>7.0f}{m['first_batch_s']:>9.2f}s"
             f"{gap:>8}{m['batch_interval_ms']:>8.2f}"
             f"{m['peak_pss_bytes'] / 2**20:>8.0f}{m['peak_pss_anon_bytes'] / 2**20:>7.0f}"
@@ -417,6 +423,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                              "hung at 64)")
     parser.add_argument("--budget-mb", type=int, default=None,
                         help="local cache budget, MiB (default: 1.25x the samples' bytes, room for one copy)")
+    parser.add_argument("--max-mapped-mb", type=int, default=32,
+                        help="epochcache's loader.max_mapped_bytes in the row that sets it, MiB (default 32; "
+                             "0 leaves that row out)")
     parser.add_argument("--systems", default=",".join(PACKAGES), help="comma-separated (default: all)")
     parser.add_argument("--dir", default=None, help="work folder for the caches (default: the temp folder)")
     parser.add_argument("--child-timeout", type=float, default=600.0,
