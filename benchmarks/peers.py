@@ -346,18 +346,18 @@ def medians(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(summary: dict[str, Any], args: argparse.Namespace) -> str:
     sample_mb = (args.size + 8) / 1e6
-    head = (f"{'system':<32}{'cold/s':>8}{'MB/s':>7}{'warm/s':>9}{'MB/s':>7}{'1st batch':>10}{'gap ms':>8}"
+    head = (f"{'system':<36}{'cold/s':>8}{'MB/s':>7}{'warm/s':>9}{'MB/s':>7}{'1st batch':>10}{'gap ms':>8}"
             f"{'(batch)':>8}{'PSS MB':>8}{'(anon)':>7}{'cache MB':>9}{'budget':>7}{'CPU us/sample':>15}  epochs ok")
     lines = [head]
     for name, entry in summary.items():
         m = entry["median"]
         failed = [r["failed"] for r in entry["rounds"] if "failed" in r]
         if not m:
-            lines.append(f"{name:<32}failed in every round: {'; '.join(sorted(set(failed)))}")
+            lines.append(f"{name:<36}failed in every round: {'; '.join(sorted(set(failed)))}")
             continue
         gap = f"{m['epoch_gap_ms']:.2f}" if "epoch_gap_ms" in m else "-"
         lines.append(
-            f"{name:<32}{m['cold_samples_per_s']:>8.0f}{m['cold_samples_per_s'] * sample_mb:>7.0f}"
+            f"{name:<36}{m['cold_samples_per_s']:>8.0f}{m['cold_samples_per_s'] * sample_mb:>7.0f}"
             f"{m['warm_samples_per_s']:>9.0f}{m['warm_samples_per_s'] * sample_mb:>7.0f}{m['first_batch_s']:>9.2f}s"
             f"{gap:>8}{m['batch_interval_ms']:>8.2f}"
             f"{m['peak_pss_bytes'] / 2**20:>8.0f}{m['peak_pss_anon_bytes'] / 2**20:>7.0f}"

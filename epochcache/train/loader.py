@@ -69,7 +69,7 @@ from epochcache.train.distributed import Peers
 from epochcache.train.epochs import EpochBuilder, EpochInfo, PreparedEpoch
 from epochcache.train.leases import HeldLeases
 from epochcache.train.malloc import keep_large_allocations
-from epochcache.train.mappings import STATM, ShardMaps, can_bound_mapped_bytes
+from epochcache.train.mappings import ShardMaps
 from epochcache.train.resume import Progress, read_state
 from epochcache.train.timing import PrepareClock
 from epochcache.train.transform import BatchTransform, SampleTransform
@@ -104,11 +104,9 @@ class EpochCachedLoader:
             self.config = LoaderConfig.model_validate({**(config or LoaderConfig()).model_dump(), **overrides})
         except ValidationError as exc:
             raise ConfigError(f"EpochCachedLoader: {format_validation_error(exc)}") from None
-        if self.config.max_mapped_bytes is not None and not can_bound_mapped_bytes():
-            raise ConfigError(
-                f"loader.max_mapped_bytes = {self.config.max_mapped_bytes}: bounding the mapped shard pages "
-                f"needs Linux's {STATM}, absent here; leave loader.max_mapped_bytes null on this platform"
-            )
+        # shard mappings the batch thread reuses from epoch to epoch, at most max_open_shards of them
+        # (made first: a bound this platform cannot keep is a ConfigError before anything is opened)
+        self._maps: ShardMaps[Any] = ShardMaps(self.config.max_open_shards, self.config.max_mapped_bytes)
         self._layout = CacheLayout(Path(cache_dir).resolve())
         if not self._layout.shards.is_dir():  # only the daemon creates a cache: a typo must not make one
             raise LoaderError(
@@ -134,8 +132,6 @@ class EpochCachedLoader:
         self._resume: Progress | None = None
         # one checksumming thread per host (local rank 0), started on each epoch's first batch
         self._verifier = BackgroundVerifier(self._layout) if self._peers.local_rank == 0 else None
-        # shard mappings the batch thread reuses from epoch to epoch, at most max_open_shards of them
-        self._maps: ShardMaps[Any] = ShardMaps(self.config.max_open_shards, self.config.max_mapped_bytes)
         self._closed = threading.Event()
         # the epochs being iterated (epoch -> its prepared epoch and batches), for close() to end them:
         # kept by the epoch itself, a dict entry costs its start nothing (a weak reference to each

@@ -11,12 +11,15 @@ shard's file, once evicted and deleted, keeps its blocks on disk for as long as 
 Dropping an entry drops only this reference: a batch still holding buffers or tensors of that shard
 keeps its pages mapped until it is freed, so eviction never invalidates data already handed out.
 
-With ``max_mapped_bytes``, the process's mapped pages grow by about that much at most between two
-releases (:meth:`ShardMaps.trim`, called per batch): past it, every mapping held lets its pages go
-(``madvise(MADV_DONTNEED)`` on a read-only shared file mapping). The data stays in the page cache and
-stays valid: the next read maps the page again (a minor fault), so only the process's resident set
-(RSS, PSS) shrinks, to what a reader that ``read()``s its files would show. Without the bound, every
-shard page an epoch touched stays mapped, and counted in the process's RSS, until it is unmapped.
+With ``max_mapped_bytes``, :meth:`ShardMaps.trim` (called once per batch) measures the process's
+resident file-backed and shared memory (:func:`mapped_file_bytes`: mostly shard pages, beside the
+libraries) and, once it grew by more than that since the last release, lets the pages of every shard
+mapping this set ever gave out and that is still alive go (``madvise(MADV_DONTNEED)`` on read-only
+shared file mappings), those dropped from the set but still read by an epoch included. The data stays
+in the page cache and stays valid: the next read maps the page again (a minor fault), so only the
+process's resident set (RSS, PSS) shrinks, to what a reader that ``read()``s its files would show.
+Without the bound, every shard page an epoch touched stays mapped, and counted in the process's RSS,
+until it is unmapped.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable
 from typing import Generic, TypeVar
+
+from epochcache.errors import ConfigError
 
 V = TypeVar("V")
 
@@ -42,25 +48,32 @@ def mapped_file_bytes() -> int:
         return int(f.read().split()[2]) * mmap.PAGESIZE
 
 
-def can_bound_mapped_bytes() -> bool:
-    """Whether this platform can measure what :class:`ShardMaps` bounds with ``max_mapped_bytes``."""
-    return os.path.exists(STATM)
-
-
 class ShardMaps(Generic[V]):
     """Up to ``capacity`` values by key, the least recently used dropped first; thread-safe.
-    ``max_mapped_bytes``: see the module docstring (None: no bound); ``measure``: the process's
-    resident mapped bytes (:func:`mapped_file_bytes`; a test gives its own)."""
+    ``max_mapped_bytes``: see the module docstring (None: no bound; a bound needs Linux's
+    ``/proc/self/statm``, else :class:`ConfigError`); ``measure``: the process's resident mapped
+    bytes (:func:`mapped_file_bytes`; a test gives its own)."""
 
     def __init__(self, capacity: int = DEFAULT_MAX_OPEN_SHARDS, max_mapped_bytes: int | None = None,
                  measure: Callable[[], int] = mapped_file_bytes):
         if capacity < 1:
             raise ValueError(f"max_open_shards = {capacity}: give at least 1")
+        if max_mapped_bytes is not None and measure is mapped_file_bytes and not os.path.exists(STATM):
+            raise ConfigError(
+                f"loader.max_mapped_bytes = {max_mapped_bytes}: bounding the mapped shard pages needs Linux's "
+                f"{STATM}, absent here; leave loader.max_mapped_bytes null on this platform"
+            )
         self.capacity = capacity
         self.max_mapped_bytes = max_mapped_bytes
         self._values: OrderedDict[Hashable, tuple[V, mmap.mmap | None]] = OrderedDict()
         self._lock = threading.Lock()
         self._measure = measure
+        # Every mapping given out and still alive (held here, or only by a dataset or batch): a weak
+        # reference, so holding it here never keeps a map, or an evicted shard's disk blocks, alive.
+        self._alive: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()
+        self._trimming = threading.Lock()  # one release at a time; other batches go on meanwhile
+        # Measured before any shard is mapped through this set (made in the process that reads: the
+        # loader's for its batch thread, each worker's own), so every shard page counts as growth.
         self._baseline = measure() if max_mapped_bytes is not None else 0
         self.releases = 0
 
@@ -76,6 +89,8 @@ class ShardMaps(Generic[V]):
                 return self._values[key][0]
         value, mapping = open_one()
         with self._lock:
+            if mapping is not None and self.max_mapped_bytes is not None:
+                self._alive.add(mapping)
             self._values[key] = (value, mapping)
             self._values.move_to_end(key)
             while len(self._values) > self.capacity:
@@ -83,17 +98,24 @@ class ShardMaps(Generic[V]):
         return value
 
     def trim(self) -> bool:
-        """Let go of every held mapping's pages if the process's mapped bytes grew by more than
-        ``max_mapped_bytes`` since the last release (see the module docstring); whether it did."""
-        if self.max_mapped_bytes is None or self._measure() - self._baseline <= self.max_mapped_bytes:
+        """Let go of the pages of every live mapping this set gave out if the process's mapped bytes
+        grew by more than ``max_mapped_bytes`` since the last release (see the module docstring);
+        whether it did. A call while another thread releases returns False at once."""
+        if self.max_mapped_bytes is None or not self._trimming.acquire(blocking=False):
             return False
-        with self._lock:
-            mappings = [mapping for _, mapping in self._values.values() if mapping is not None]
-        for mapping in mappings:  # (held here, so each is still mapped: never advice on freed memory)
-            mapping.madvise(mmap.MADV_DONTNEED)
-        self._baseline = self._measure()
-        self.releases += 1
-        return True
+        try:
+            if self._measure() - self._baseline <= self.max_mapped_bytes:
+                return False
+            with self._lock:
+                mappings = list(self._alive)
+            for mapping in mappings:  # (held by this list, so each is still mapped: never advice on freed memory)
+                mapping.madvise(mmap.MADV_DONTNEED)
+            del mappings
+            self._baseline = self._measure()
+            self.releases += 1
+            return True
+        finally:
+            self._trimming.release()
 
     def retain(self, keys: Collection[Hashable]) -> None:
         """Drop the values whose key is not in ``keys`` (a new epoch's shards): each is unmapped once

@@ -1,10 +1,11 @@
 """ShardPlan: where each column's buffers lie in a shard file, so that a shard mapped before is mapped
 again with one ``mmap`` and no Arrow IPC parsing.
 
-In: the arrays of a shard opened the full way (``pa.memory_map`` + IPC reader) and the address of its
-mapping; out: a plan that, for the same file, rebuilds the same arrays zero-copy over a fresh map.
-Parsing a shard's IPC footer costs ~60-90 us here; a remap ~10 us. That matters when an epoch spans
-more shards than ``max_open_shards``: a shuffled batch then maps most of its shards again.
+In: the arrays of a shard opened the full way (:func:`open_planned`: an ``mmap`` read by Arrow's IPC
+reader) and the address of its mapping; out: a plan that, for the same file, rebuilds the same arrays
+zero-copy over a fresh map. Parsing a shard's IPC footer costs ~60-90 us here; a remap ~10 us. That
+matters when an epoch spans more shards than ``max_open_shards``: a shuffled batch then maps most of
+its shards again.
 
 Invariant: a shard file never changes under its name (the name carries its checksum), so the offsets
 found once stay true. Only flat layouts are planned (numbers, fixed-size lists of them, the

@@ -18,7 +18,7 @@ from conftest import ITEM_SHAPE, make_table
 from torch.utils.data import DataLoader
 
 from epochcache.cache.shards import write_shard
-from epochcache.errors import LoaderError
+from epochcache.errors import LoaderError, ShardCorruptError
 from epochcache.sources.base import KEY_COLUMN
 from epochcache.train.dataset import ShardSetDataset
 from epochcache.train.held import distinct
@@ -206,16 +206,17 @@ def test_consecutive_datasets_reuse_the_shards_both_read(tmp_path: Path) -> None
     assert pickle.loads(pickle.dumps(second))._shards._maps is None, "workers map their own"
 
 
-def test_unreadable_shard_rows_are_left_out_and_reported(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kept", [100, 0], ids=["truncated", "emptied"])
+def test_unreadable_shard_rows_are_left_out_and_reported(tmp_path: Path, kept: int) -> None:
     paths, rows = _shards(tmp_path, [5, 6, 7])
-    paths[1].write_bytes(paths[1].read_bytes()[:100])  # truncated after it was listed
-    told: list[str] = []
-    ds = ShardSetDataset(paths, rows, on_unreadable=lambda path, exc: told.append(path))
+    paths[1].write_bytes(paths[1].read_bytes()[:kept])  # cut after it was listed (an empty file cannot be mapped)
+    told: list[tuple[str, type]] = []
+    ds = ShardSetDataset(paths, rows, on_unreadable=lambda path, exc: told.append((path, type(exc))))
     batch = ds.__getitems__(np.arange(18))
     _check_rows(batch, np.r_[0:5, 11:18])
-    assert told == [str(paths[1])]
+    assert told == [(str(paths[1]), ShardCorruptError)]
     ds.__getitems__([6])
-    assert told == [str(paths[1])], "reported once"
+    assert told == [(str(paths[1]), ShardCorruptError)], "reported once"
 
 
 @pytest.mark.parametrize(("shards", "max_open"), [(1_000, 32), pytest.param(100_000, 1024, marks=pytest.mark.slow)])
