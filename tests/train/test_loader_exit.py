@@ -49,6 +49,19 @@ def test_a_script_that_leaves_its_loader_open_exits(cache_dir: str, workers: int
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-3000:]
 
 
+def test_no_batch_is_being_built_when_python_finalizes(cache_dir: str, tmp_path: Path) -> None:
+    # A daemon batch thread still in native code when Python finalizes is ended as it takes the GIL
+    # back, and through Arrow's C++ frames that aborted the process (exit 134) about 1 run in 100:
+    # the exit now waits for the job the thread is on, and the thread builds nothing after it.
+    log = tmp_path / "transform.log"
+    done = subprocess.run([sys.executable, SCRIPT, cache_dir, "0", "slow", str(log)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-3000:]
+    lines = log.read_text().split()
+    assert lines.count("start") >= 2, "a batch was being built ahead as the script ended"
+    assert lines.count("end") == lines.count("start"), f"a transform cut short at exit: {lines}"
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_close_stops_an_epoch_still_iterated_and_releases_its_lease(cache_dir: str, workers: int) -> None:
     loader = EpochCachedLoader(cache_dir, batch_size=16, num_workers=workers, prefetch_batches=2, progress=False)
