@@ -42,7 +42,8 @@ Each run is one child process per system (imports and PSS separate), on a fresh,
   part of the wait: when it published its first shard);
 - epoch gap: median time from an epoch's last batch to the next one's first, between warm epochs;
 - peak PSS: the child's whole process tree (workers, the daemon, curl pipes), and for epochcache its
-  daemon apart from the trainer and its workers, sampled every ~0.2 s by this process with
+  daemon apart from the trainer and its workers, sampled every ~0.2 s and at each phase mark (where
+  the child waits, its loader still open) by this process with
   ``epochcache.tools.pss``; beside it, "(anon)", the peak of the same PSS less mapped files (anonymous
   and shared memory): epochcache maps its shards, so the page cache of every shard its trainer has read
   counts in its PSS, where a peer that ``read()``s its files holds the same page cache outside its own;
@@ -177,24 +178,31 @@ class Watcher(threading.Thread):
         self.peak_anon = self.peak_trainer_anon = 0  # PSS less mapped files: anonymous + shared memory
         self.daemon_pid: int | None = None
         self._done = threading.Event()
+        self._sampling = threading.Lock()
 
     def run(self) -> None:
-        from epochcache.tools.pss import tree_pss
-
         tick = 0
         while not self._done.wait(0.05):
             self.peak_cache = max(self.peak_cache, folder_bytes(self.cache))
             if tick % 4 == 0:
-                whole = tree_pss(self.pid)
-                self.peak_pss = max(self.peak_pss, whole.total)
-                self.peak_anon = max(self.peak_anon, whole.total - whole.file)
-                if self.daemon_pid is not None:
-                    daemon = tree_pss(self.daemon_pid)
-                    self.peak_daemon_pss = max(self.peak_daemon_pss, daemon.total)
-                    self.peak_trainer_pss = max(self.peak_trainer_pss, whole.total - daemon.total)
-                    trainer_files = whole.file - daemon.file
-                    self.peak_trainer_anon = max(self.peak_trainer_anon, whole.total - daemon.total - trainer_files)
+                self.sample_pss()
             tick += 1
+
+    def sample_pss(self) -> None:
+        """Take the PSS figures now: every 0.2 s, and at each phase mark, where the child waits with
+        its loader open (warm epochs of ~20 ms can fall between two ticks)."""
+        from epochcache.tools.pss import tree_pss
+
+        with self._sampling:
+            whole = tree_pss(self.pid)
+            self.peak_pss = max(self.peak_pss, whole.total)
+            self.peak_anon = max(self.peak_anon, whole.total - whole.file)
+            if self.daemon_pid is not None:
+                daemon = tree_pss(self.daemon_pid)
+                self.peak_daemon_pss = max(self.peak_daemon_pss, daemon.total)
+                self.peak_trainer_pss = max(self.peak_trainer_pss, whole.total - daemon.total)
+                trainer_files = whole.file - daemon.file
+                self.peak_trainer_anon = max(self.peak_trainer_anon, whole.total - daemon.total - trainer_files)
 
     def stop(self) -> None:
         self._done.set()
@@ -225,6 +233,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, endpoint: str, work:
         for line in child_process.stdout:  # type: ignore[union-attr]
             if line.startswith("MARK "):
                 cpu[line.split()[1]] = tree_cpu_seconds(child_process.pid)
+                watcher.sample_pss()
                 child_process.stdin.write("\n")  # type: ignore[union-attr]
                 child_process.stdin.flush()  # type: ignore[union-attr]
             elif line.startswith("DAEMON "):
