@@ -76,8 +76,15 @@ class CommitMarks:
         self._map = _header_of(Path(f"{os.fspath(database)}-shm"))
 
     def now(self) -> bytes | None:
-        """The current mark: equal to an earlier one only if no connection committed in between."""
-        return None if self._map is None else self._map[:_HEADER_BYTES]
+        """The current mark: equal to an earlier one only if no connection committed in between; None
+        (ask the ledger) without one, as once the file was deleted under a live connection (a ledger
+        rebuilt by another process) and its map closed here."""
+        if self._map is None:
+            return None
+        try:
+            return self._map[:_HEADER_BYTES]
+        except ValueError:  # the map was closed: its file is gone
+            return None
 
     def close(self) -> None:
         """No more marks from this object (the map stays open for the process: see the module docstring)."""

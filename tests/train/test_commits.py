@@ -71,13 +71,14 @@ def test_marks_open_each_wal_index_once_and_let_a_deleted_one_go(tmp_path: Path)
     opened = len(os.listdir("/proc/self/fd"))
     more = [CommitMarks(ledger.path) for _ in range(20)]
     assert len(os.listdir("/proc/self/fd")) == opened, "one descriptor per -shm file, however many marks"
-    for marks in [first, *more]:
+    for marks in more:
         marks.close()
     ledger.close()  # the last connection: SQLite deletes its -shm file
     assert not Path(f"{ledger.path}-shm").exists()
     again = Ledger(layout.ledger)
     marks = CommitMarks(again.path)  # a new -shm file; the deleted one's descriptors are closed
     assert len(os.listdir("/proc/self/fd")) <= opened + 1  # (+1: the new connection's own)
+    assert first.now() is None, "marks left over on the deleted file: no mark, not an error"
     before = marks.now()
     again.counters.incr("written")
     assert marks.now() != before, "the new file's header is the one read"
