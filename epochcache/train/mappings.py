@@ -65,7 +65,7 @@ class ShardMaps(Generic[V]):
             )
         self.capacity = capacity
         self.max_mapped_bytes = max_mapped_bytes
-        self._values: OrderedDict[Hashable, tuple[V, mmap.mmap | None]] = OrderedDict()
+        self._values: OrderedDict[Hashable, V] = OrderedDict()
         self._lock = threading.Lock()
         self._measure = measure
         # Every mapping given out and still alive (held here, or only by a dataset or batch): a weak
@@ -75,23 +75,22 @@ class ShardMaps(Generic[V]):
         # Measured before any shard is mapped through this set (made in the process that reads: the
         # loader's for its batch thread, each worker's own), so every shard page counts as growth.
         self._baseline = measure() if max_mapped_bytes is not None else 0
-        self.releases = 0
 
     def __len__(self) -> int:
         return len(self._values)
 
-    def get(self, key: Hashable, open_one: Callable[[], tuple[V, mmap.mmap | None]]) -> V:
+    def get(self, key: Hashable, open_one: Callable[[], tuple[V, mmap.mmap]]) -> V:
         """The value of ``key``, made with ``open_one`` (outside the lock: mapping does I/O) if absent;
-        ``open_one`` gives the value and the mapping it lies in (None: not one this object can release)."""
+        ``open_one`` gives the value and the mapping it lies in."""
         with self._lock:
             if key in self._values:
                 self._values.move_to_end(key)
-                return self._values[key][0]
+                return self._values[key]
         value, mapping = open_one()
         with self._lock:
-            if mapping is not None and self.max_mapped_bytes is not None:
+            if self.max_mapped_bytes is not None:
                 self._alive.add(mapping)
-            self._values[key] = (value, mapping)
+            self._values[key] = value
             self._values.move_to_end(key)
             while len(self._values) > self.capacity:
                 self._values.popitem(last=False)
@@ -112,7 +111,6 @@ class ShardMaps(Generic[V]):
                 mapping.madvise(mmap.MADV_DONTNEED)
             del mappings
             self._baseline = self._measure()
-            self.releases += 1
             return True
         finally:
             self._trimming.release()
