@@ -9,18 +9,35 @@ stream may still read it. On the CPU both are no-ops and batches pass through un
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Generator, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
 
 
 def pin_batch(batch: dict[str, Any]) -> dict[str, Any]:
-    """Tensors of ``batch`` in page-locked memory (what makes a host->GPU copy asynchronous)."""
+    """Tensors of ``batch`` in page-locked memory (what makes a host->GPU copy asynchronous); a tensor
+    already pinned (gathered into :func:`host_tensor`) is kept as it is, by ``pin_memory`` itself."""
     return {name: v.pin_memory() if isinstance(v, torch.Tensor) else v for name, v in batch.items()}
+
+
+def host_tensor(rows: int, dtype: np.dtype, item_shape: tuple[int, ...], pinned: bool) -> torch.Tensor:
+    """An uninitialised CPU tensor of ``rows`` rows of numpy ``dtype`` and ``item_shape``, for a batch
+    column to be written into (through its ``.numpy()`` view), page-locked when ``pinned``: a batch
+    gathered straight into it is pinned without :func:`pin_batch`'s second copy. Made by torch's caching
+    host allocator, so a non-blocking copy from it records its stream and the memory is not reused
+    before that copy is done (a numpy array's memory, wrapped, would not be tracked)."""
+    return torch.empty((rows, *item_shape), dtype=_torch_dtype(np.dtype(dtype)), pin_memory=pinned)
+
+
+@functools.cache
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype)).dtype
 
 
 def pinning_available() -> bool:

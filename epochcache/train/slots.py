@@ -11,8 +11,8 @@ sizes and maps it once the layout is known, and sends them the ring with their f
 pickles as its layout and that file's descriptor, which the workers map on arrival (without
 resetting it). Batch ``number`` goes to slot ``number % count``: the worker
 gathers it there (straight from the shards when there is no transform) and sends back only a small
-:class:`SlotBatch`; the trainer copies its arrays out into fresh tensors (which the worker pool then
-pins, when pinning) and frees the slot. So a batch the trainer holds never lives in the ring, and the
+:class:`SlotBatch`; the trainer copies its arrays out into fresh tensors (page-locked ones, when pinning:
+one copy, not a copy and a pin) and frees the slot. So a batch the trainer holds never lives in the ring, and the
 ring's lifetime does not reach user code.
 
 Invariant: a slot is never written while a batch in it is unread. Each slot has a shared int64, the
@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from epochcache.train.device import host_tensor
 from epochcache.train.wire import from_wire, tensor_as_numpy, to_wire
 
 # Column starts aligned to a cache line, so each gather writes whole lines of its own column.
@@ -144,8 +145,9 @@ class SlotRing:
         travels in it as numpy (see :mod:`epochcache.train.wire`)."""
         return SlotBatch(number, rows, to_wire({k: v for k, v in batch.items() if k not in self._layout}))
 
-    def receive(self, message: Any, number: int) -> Any:
-        """In the trainer: batch ``number`` as tensors of its own; frees its slot. Anything but a
+    def receive(self, message: Any, number: int, pinned: bool = False) -> Any:
+        """In the trainer: batch ``number`` as tensors of its own (copied out of the slot straight into
+        page-locked memory when ``pinned``); frees its slot. Anything but a
         :class:`SlotBatch` came through the pipe and is only unwrapped: the slot is passed on to the
         batch after, had it waited for this one (else it would wait for ever, and every batch of that
         slot after it take the pipe)."""
@@ -156,7 +158,7 @@ class SlotRing:
             return from_wire(message)
         slot = message.number % self._count
         arrays = self._arrays(slot)
-        batch = {name: torch.from_numpy(array[: message.rows].copy()) for name, array in arrays.items()}
+        batch = {name: _copied(array[: message.rows], pinned) for name, array in arrays.items()}
         # only now may the batch count slots later overwrite this one
         self._next_writer[slot] = message.number + self._count
         return {**batch, **from_wire(message.extras)}
@@ -169,6 +171,15 @@ class SlotRing:
             ).reshape(self._batch_size, *shape)
             for name, (dtype, shape) in self._layout.items()
         }
+
+
+def _copied(rows: np.ndarray, pinned: bool) -> torch.Tensor:
+    """A tensor of its own holding ``rows`` (a slot's): one copy, into pinned memory when ``pinned``."""
+    if not pinned:
+        return torch.from_numpy(rows.copy())
+    out = host_tensor(len(rows), rows.dtype, rows.shape[1:], pinned=True)
+    np.copyto(out.numpy(), rows)
+    return out
 
 
 def layout_of(batch: Any) -> Layout:

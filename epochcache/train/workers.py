@@ -299,7 +299,7 @@ class WorkerPool:
         message = next(self._running())
         number, self._taken = self._taken, self._taken + 1
         if self._ring is not None:
-            batch = self._ring.receive(message, number)
+            batch = self._ring.receive(message, number, self._pin)
         else:
             batch = from_wire(message)
             if self._transformed:

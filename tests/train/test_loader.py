@@ -275,13 +275,35 @@ def test_min_samples_waits_for_a_running_daemon(remote: str, make_config: Callab
     assert not daemon_running(layout)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the side-stream copy path)")
-def test_cuda_device_batches_arrive_on_the_gpu_intact(synced: Config) -> None:
-    with EpochCachedLoader(synced.cache.dir, batch_size=64, device="cuda", pin_memory=True) as loader:
-        batches = list(loader)
-    assert all(b["image"].is_cuda and b["id"].is_cuda for b in batches)
-    assert sorted(int(i) for b in batches for i in b["id"].cpu()) == list(range(ROWS))
-    assert all(torch.equal(b["image"][:, 0, 0, 0].cpu(), (b["id"].cpu() % 251).to(torch.uint8)) for b in batches)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned memory, side streams)")
+
+
+def _intact(batch: dict[str, torch.Tensor]) -> bool:
+    """Every pixel of every image is its row's ``id % 251`` (how the remote was written)."""
+    expected = (batch["id"] % 251).to(torch.uint8)
+    return bool((batch["image"] == expected.view(-1, *[1] * (batch["image"].dim() - 1))).all())
+
+
+@needs_cuda
+@pytest.mark.parametrize("workers", [0, 2])
+def test_cuda_device_batches_arrive_on_the_gpu_intact(synced: Config, workers: int) -> None:
+    with EpochCachedLoader(synced.cache.dir, batch_size=64, device="cuda", pin_memory=True,
+                           num_workers=workers) as loader:
+        epochs = [list(loader) for _ in range(2)]
+    for batches in epochs:
+        assert all(b["image"].is_cuda and b["id"].is_cuda for b in batches)
+        assert sorted(int(i) for b in batches for i in b["id"].cpu()) == list(range(ROWS))
+        assert all(_intact(b) for b in batches)
+
+
+@needs_cuda
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pinned_batches_are_gathered_into_page_locked_memory(synced: Config, workers: int) -> None:
+    with EpochCachedLoader(synced.cache.dir, batch_size=64, pin_memory=True, num_workers=workers) as loader:
+        batches = [batch for _ in range(2) for batch in loader]
+    assert all(b["image"].is_pinned() and b["id"].is_pinned() for b in batches)
+    assert sorted(int(i) for b in batches for i in b["id"]) == sorted(list(range(ROWS)) * 2)
+    assert all(_intact(b) for b in batches)
 
 
 def test_a_shuffled_batch_draws_from_many_shards(synced: Config) -> None:

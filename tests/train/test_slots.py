@@ -106,8 +106,8 @@ def messages(monkeypatch: pytest.MonkeyPatch) -> list[type]:
     """The type of each message a trainer's slot ring receives: SlotBatch through a slot, else the pipe's."""
     kinds: list[type] = []
     receive = SlotRing.receive
-    monkeypatch.setattr(SlotRing, "receive", lambda ring, message, number: kinds.append(type(message))
-                        or receive(ring, message, number))
+    monkeypatch.setattr(SlotRing, "receive", lambda ring, message, number, pinned=False:
+                        kinds.append(type(message)) or receive(ring, message, number, pinned))
     return kinds
 
 

@@ -108,7 +108,8 @@ def test_next_epochs_first_batch_is_received_before_the_last_one_is_handed_out_a
     received: list[int] = []
     receive = SlotRing.receive
     monkeypatch.setattr(SlotRing, "receive",
-                        lambda ring, message, number: received.append(1) or receive(ring, message, number))
+                        lambda ring, message, number, pinned=False:
+                        received.append(1) or receive(ring, message, number, pinned))
     layout = CacheLayout(Path(synced.cache.dir))
     ledger = Ledger(layout.ledger)
     with EpochCachedLoader(synced.cache.dir, batch_size=32, seed=3, num_workers=2, progress=False,
