@@ -165,8 +165,8 @@ class ShardSetDataset(Dataset[Batch]):
         plans = {name: space.plan(shard_of, local) for name, space in self._shards.spaces.items()}
         others = [name for name in self._shards.reference() if name not in self._shards.spaces]
         for start in range(0, len(shard_of), size):
-            yield partial(self._build, plans, others, shard_of[start : start + size], local[start : start + size],
-                          start, start + size, pinned)
+            end = min(start + size, len(shard_of))
+            yield partial(self._build, plans, others, shard_of[start:end], local[start:end], start, end, pinned)
 
     def _build(self, plans: dict[str, RowPlan], others: list[str], shard_of: np.ndarray, local: np.ndarray,
                start: int, end: int, pinned: bool) -> Batch:
