@@ -125,6 +125,7 @@ def run_rows(cache: Path, epochs: int, device: torch.device, data: InMemory) -> 
         ("epochcache thread, device, pinned", 0, {"device": str(device), "pin_memory": True}, cuda),
         ("epochcache thread, device, not pinned", 0, {"device": str(device), "pin_memory": False}, True),
         ("epochcache 2 workers, device, pinned", 2, {"device": str(device), "pin_memory": True}, cuda),
+        ("epochcache 2 workers, device, not pinned", 2, {"device": str(device), "pin_memory": False}, True),
         ("epochcache thread, pinned on host", 0, {"pin_memory": True}, cuda),
     ]
     for name, workers, options, runs in rows:
@@ -153,7 +154,8 @@ def main() -> None:
         work = Path(args.dir or tmp)
         if not (work / "cache").exists():
             write_remote(work / "remote", size)
-            SyncDaemon(config_for(work / "remote", work / "cache", size, args.shard_bytes), progress=False).run(once=True)
+            config = config_for(work / "remote", work / "cache", size, args.shard_bytes)
+            SyncDaemon(config, progress=False).run(once=True)
         data = in_ram(work / "cache")
         rounds = [run_rows(work / "cache", args.epochs, device, data) for _ in range(args.rounds)]
     report(rounds, len(data), device, args)

@@ -4,8 +4,7 @@ In: for each shard held open, its column as a C-contiguous numpy view of shape `
 (zero-copy, into the shard's mapping); each row's shard number and row within that shard, which
 :meth:`RowSpace.positions` turns into positions (or :meth:`RowSpace.plan`, for a whole run of batches
 at once). Out, per batch of positions (:meth:`RowSpace.rows_at`, :meth:`RowPlan.rows`): a fresh
-C-contiguous array of shape ``(batch rows, *item_shape)``, in the batch's order; or those rows written
-into a given array (``rows_into``: a worker's slot, pinned memory).
+C-contiguous array of shape ``(batch rows, *item_shape)``, in the batch's order.
 
 How: one read-only numpy array spans the address range of the shards added, as rows of ``row_bytes``
 bytes (shape ``(span, row_bytes)``, uint8) with a stride of one byte, so row ``p`` is the ``row_bytes``
@@ -108,12 +107,20 @@ class RowSpace:
 
         The copy is torch's ``index_select``, which releases the GIL (numpy's gather of a batch holds
         it): meant for DataLoader workers, which run one intra-op thread, where the thread sending the
-        last batch to the trainer then runs beside it, and for pinned batches (:meth:`RowPlan.rows_into`).
-        (In the trainer torch splits the copy over its intra-op threads, which then spin between
-        batches: numpy's gather, :meth:`rows_at`, is the trainer's otherwise.)"""
+        last batch to the trainer then runs beside it. (In the trainer torch would split the copy over
+        its intra-op threads, which then spin between batches.)"""
+        if not len(positions) or not self.row_bytes:
+            return
+        rows = torch.from_numpy(out.reshape(len(positions), -1).view(np.uint8))
+        torch.index_select(self._rows_as_torch(), 0, torch.from_numpy(positions), out=rows)
+
+    def _rows_as_torch(self) -> torch.Tensor:
+        """The span as a 2-D torch uint8 tensor, row ``p`` the ``row_bytes`` bytes at position ``p``."""
         if self._torch_rows is None:
-            self._torch_rows = _as_torch(self._space)
-        _select_into(self._torch_rows, positions, out)
+            with warnings.catch_warnings():  # read-only memory: torch warns, and it is only ever read from
+                warnings.simplefilter("ignore", UserWarning)
+                self._torch_rows = torch.from_numpy(self._space)
+        return self._torch_rows
 
 
 class RowPlan:
@@ -125,27 +132,6 @@ class RowPlan:
     def rows(self, start: int, end: int) -> np.ndarray:
         """Rows ``start:end`` of the plan, copied into a fresh C-contiguous array (as :meth:`RowSpace.rows_at`)."""
         return _gather(self._space, self._positions[start:end], self.dtype, self.item_shape)
-
-    def rows_into(self, start: int, end: int, out: np.ndarray) -> None:
-        """Rows ``start:end`` of the plan copied into ``out`` (as :meth:`RowSpace.rows_into`): for batches
-        in pinned memory, which torch's own pinning would copy on its intra-op threads anyway, after
-        numpy's gather; this is the one copy instead of two."""
-        _select_into(_as_torch(self._space), self._positions[start:end], out)
-
-
-def _as_torch(space: np.ndarray) -> torch.Tensor:
-    """A span's view (from :func:`_rows_view`) as a 2-D torch uint8 tensor, without a copy."""
-    with warnings.catch_warnings():  # read-only memory: torch warns, and it is only ever read from
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(space)
-
-
-def _select_into(rows: torch.Tensor, positions: np.ndarray, out: np.ndarray) -> None:
-    """Rows ``positions`` of ``rows`` (a span as torch sees it) into ``out``, in order, by one ``index_select``."""
-    if not len(positions) or not rows.shape[1]:
-        return
-    torch.index_select(rows, 0, torch.from_numpy(positions),
-                       out=torch.from_numpy(out.reshape(len(positions), -1).view(np.uint8)))
 
 
 def _gather(space: np.ndarray, positions: np.ndarray, dtype: np.dtype, item_shape: tuple[int, ...]) -> np.ndarray:
