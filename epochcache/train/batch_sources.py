@@ -63,6 +63,8 @@ class BatchSources:
             jobs = TransformedDataset(dataset, self._transform, self._sample_transform).jobs(sampler, self._pin)
             if self._pin:  # (what is not pinned yet: other columns, a transform's output, an unplanned run's)
                 jobs = then(jobs, pin_batch)
+            if dataset.max_mapped_bytes is not None:
+                jobs = then(jobs, dataset.trimmed)
             return BatchThread(jobs, self._prefetch, self._build_pool)
         layout = dataset.fixed_layout()
         with self._pool_lock:

@@ -94,6 +94,15 @@ class ShardSetDataset(Dataset[Batch]):
         dataset (in a worker) otherwise maps every shard anew."""
         self._shards.use_maps(maps)
 
+    def trimmed(self, batch: Batch) -> Batch:
+        """``batch``, once the mapped shards' pages were let go if this process's mapped bytes grew past
+        ``max_mapped_bytes`` (:meth:`ShardMaps.trim`): the last step of a batch thread's job, after
+        the transforms and pinning. (Building a batch trims before it reads too.) Without it the pages
+        a batch and its transform touched, 2 MiB per row read where the page cache holds a freshly
+        written shard in large folios, stay mapped until the next batch is built."""
+        self._shards.trim()
+        return batch
+
     def open(self) -> None:
         """Map (hold) up to ``max_open_shards`` of the shards now, ahead of the first batch, which would
         otherwise pay for mapping every shard it touches."""
