@@ -156,10 +156,10 @@ def test_bounded_mapped_pages_stay_near_the_bound_and_give_the_same_batches(
 
 
 def test_the_batch_thread_lets_a_batchs_pages_go_once_it_is_built(synced_cache: Callable[..., Config]) -> None:
-    config = synced_cache(files=4, rows_per_file=128, rows_per_group=32, shard_bytes="64KiB")
+    config = synced_cache(files=4, rows_per_file=64, rows_per_group=32, shard_bytes="64KiB")
     shards = Path(config.cache.dir) / "shards"
     with EpochCachedLoader(config.cache.dir, batch_size=1, progress=False, max_mapped_bytes="4KB") as loader:
-        resident = [_resident(shards) for _ in loader]
+        resident = [_resident(shards) for number, _ in enumerate(loader) if number % 4 == 0]
     # Seen by the trainer between batches: the batches built ahead were trimmed as their last step,
     # so mostly no shard page is mapped; without that step, each leaves its row's pages until the next.
     assert statistics.median(resident) == 0, sorted(resident)[len(resident) // 2 :][:20]
