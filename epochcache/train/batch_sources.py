@@ -60,8 +60,8 @@ class BatchSources:
         if not len(sampler):
             return None
         if self.workers == 0:
-            jobs = TransformedDataset(dataset, self._transform, self._sample_transform).jobs(sampler, self._pin)
-            if self._pin:  # (what is not pinned yet: other columns, a transform's output, an unplanned run's)
+            jobs = TransformedDataset(dataset, self._transform, self._sample_transform).jobs(sampler)
+            if self._pin:
                 jobs = then(jobs, pin_batch)
             if dataset.max_mapped_bytes is not None:
                 jobs = then(jobs, dataset.trimmed)

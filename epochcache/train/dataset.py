@@ -41,7 +41,6 @@ import pyarrow as pa
 import torch
 from torch.utils.data import Dataset
 
-from epochcache.train.device import host_tensor
 from epochcache.train.held import BufferColumn, Column, HeldShards, StringColumn, Views, distinct
 from epochcache.train.jobs import FENCE, Job, Planned, run_in_order
 from epochcache.train.mappings import DEFAULT_MAX_OPEN_SHARDS, ShardMaps
@@ -127,11 +126,9 @@ class ShardSetDataset(Dataset[Batch]):
         """``sampler``'s batches, each as ``__getitems__`` gives it: :meth:`jobs`, run in order."""
         return run_in_order(self.jobs(sampler))
 
-    def jobs(self, sampler: EpochBatches, pinned: bool = False) -> Iterator[Planned]:
+    def jobs(self, sampler: EpochBatches) -> Iterator[Planned]:
         """``sampler``'s batches as jobs (:mod:`epochcache.train.jobs`), each building the batch
-        ``__getitems__`` would give (``pinned``: its tensors gathered straight into page-locked memory,
-        :func:`epochcache.train.device.host_tensor`, when the run is planned; only where CUDA is
-        initialised, never in a forked worker), planned run by run (:meth:`EpochBatches.runs`): a run whose
+        ``__getitems__`` would give, planned run by run (:meth:`EpochBatches.runs`): a run whose
         shards can all be held at once (every run, when the epoch's shards fit in
         ``max_open_shards``) is located and given its rows' addresses in one vectorised pass, after
         which a job costs one numpy call per fixed-width column and may run on any thread; any
@@ -149,7 +146,7 @@ class ShardSetDataset(Dataset[Batch]):
                 yield FENCE
             shard_of, local = self._locate(run)
             if self._hold_run(shard_of):
-                yield from self._planned(shard_of, local, size, pinned)
+                yield from self._planned(shard_of, local, size)
             else:
                 for start in range(0, len(run), size):
                     yield partial(_built, self.__getitems__(run[start : start + size]))
@@ -169,19 +166,19 @@ class ShardSetDataset(Dataset[Batch]):
             return False
         return bool(self._shards.hold(shard_of).all())
 
-    def _planned(self, shard_of: np.ndarray, local: np.ndarray, size: int, pinned: bool) -> Iterator[Job]:
+    def _planned(self, shard_of: np.ndarray, local: np.ndarray, size: int) -> Iterator[Job]:
         """A held run's jobs of ``size`` rows: its positions in every row space computed at once."""
         plans = {name: space.plan(shard_of, local) for name, space in self._shards.spaces.items()}
         others = [name for name in self._shards.reference() if name not in self._shards.spaces]
         for start in range(0, len(shard_of), size):
-            end = min(start + size, len(shard_of))
-            yield partial(self._build, plans, others, shard_of[start:end], local[start:end], start, end, pinned)
+            yield partial(self._build, plans, others, shard_of[start : start + size], local[start : start + size],
+                          start, start + size)
 
     def _build(self, plans: dict[str, RowPlan], others: list[str], shard_of: np.ndarray, local: np.ndarray,
-               start: int, end: int, pinned: bool) -> Batch:
+               start: int, end: int) -> Batch:
         """Rows ``start:end`` of a planned run (``shard_of`` and ``local``: theirs), while its shards are held."""
         self._shards.trim()
-        batch = {name: _rows(plan, start, end, pinned) for name, plan in plans.items()}
+        batch = {name: torch.from_numpy(plan.rows(start, end)) for name, plan in plans.items()}
         if others:
             batch.update(self._gather_by_shard(others, shard_of, local))
             batch = {name: batch[name] for name in self._shards.reference()}  # the columns' order, as always
@@ -256,20 +253,6 @@ class ShardSetDataset(Dataset[Batch]):
         """The fixed-width (tensor) columns, as name -> (dtype, item shape), of the dataset's schema
         (every shard's, see the class docstring); empty for an empty dataset."""
         return self._shards.fixed_layout()
-
-
-def _rows(plan: RowPlan, start: int, end: int, pinned: bool) -> torch.Tensor:
-    """Rows ``start:end`` of ``plan`` as a tensor: numpy's fresh array wrapped, or copied into pinned memory.
-
-    Pinned, the rows are gathered by numpy, then copied by numpy, both on this one thread: torch's
-    ``pin_memory`` (or its ``index_select`` into pinned memory) splits the copy over every intra-op
-    thread, which then spin between batches: on 16 cores that cost 70-90 µs of CPU per 12 KB sample,
-    against 6 this way, for less throughput (benchmarks/device.py)."""
-    if not pinned:
-        return torch.from_numpy(plan.rows(start, end))
-    out = host_tensor(end - start, plan.dtype, plan.item_shape, pinned=True)
-    np.copyto(out.numpy(), plan.rows(start, end))
-    return out
 
 
 def _built(batch: Batch) -> Batch:

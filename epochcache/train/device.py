@@ -17,26 +17,44 @@ from typing import Any
 import numpy as np
 import torch
 
+from epochcache.train.wire import tensor_as_numpy
+
 log = logging.getLogger(__name__)
 
 
 def pin_batch(batch: dict[str, Any]) -> dict[str, Any]:
-    """Tensors of ``batch`` in page-locked memory (what makes a host->GPU copy asynchronous); a tensor
-    already pinned (gathered into :func:`host_tensor`) is kept as it is, by ``pin_memory`` itself."""
-    return {name: v.pin_memory() if isinstance(v, torch.Tensor) else v for name, v in batch.items()}
+    """Tensors of ``batch`` in page-locked memory (what makes a host->GPU copy asynchronous), each
+    copied by numpy on the calling thread into a :func:`pinned_empty` tensor. Not torch's
+    ``pin_memory()``: it spreads the copy over every intra-op thread, which then spin between
+    batches (on a 16-core H200 host, 68-102 µs of the trainer's CPU per 12 KB sample against 6.6-7.5
+    this way, with as many batches per second or more: README, ``benchmarks/device.py``). A tensor already
+    pinned is kept; one numpy cannot view (bfloat16, requiring grad) goes through ``pin_memory()``."""
+    return {name: _pinned(v) if isinstance(v, torch.Tensor) else v for name, v in batch.items()}
 
 
-def host_tensor(rows: int, dtype: np.dtype, item_shape: tuple[int, ...], pinned: bool) -> torch.Tensor:
-    """An uninitialised CPU tensor of ``rows`` rows of numpy ``dtype`` and ``item_shape``, for a batch
-    column to be written into (through its ``.numpy()`` view), page-locked when ``pinned``: a batch
-    gathered straight into it is pinned without :func:`pin_batch`'s second copy. Made by torch's caching
-    host allocator, so a non-blocking copy from it records its stream and the memory is not reused
-    before that copy is done (a numpy array's memory, wrapped, would not be tracked)."""
-    return torch.empty((rows, *item_shape), dtype=_torch_dtype(np.dtype(dtype)), pin_memory=pinned)
+def _pinned(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.is_pinned():
+        return tensor
+    array = tensor_as_numpy(tensor)
+    if array is None:
+        return tensor.pin_memory()
+    out = pinned_empty(array.shape, array.dtype)
+    np.copyto(out.numpy(), array)
+    return out
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
+    """An uninitialised page-locked CPU tensor of ``shape`` and numpy ``dtype``, to copy a batch column
+    into through its ``.numpy()`` view. Made by torch's caching host allocator, so a non-blocking copy
+    from it records its stream and the memory is not reused before that copy is done (wrapped numpy
+    memory would not be tracked)."""
+    return torch.empty(shape, dtype=_torch_dtype(np.dtype(dtype)), pin_memory=True)
 
 
 @functools.cache
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of numpy ``dtype``, as ``torch.from_numpy`` maps it (torch has no public map),
+    so a column pinned has the dtype it has unpinned."""
     return torch.from_numpy(np.empty(0, dtype)).dtype
 
 

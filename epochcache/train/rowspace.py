@@ -127,11 +127,11 @@ class RowPlan:
     """Rows located by :meth:`RowSpace.plan`, with the view of the span they were located in."""
 
     def __init__(self, space: np.ndarray, positions: np.ndarray, dtype: np.dtype, item_shape: tuple[int, ...]):
-        self._space, self._positions, self.dtype, self.item_shape = space, positions, dtype, item_shape
+        self._space, self._positions, self._dtype, self._item_shape = space, positions, dtype, item_shape
 
     def rows(self, start: int, end: int) -> np.ndarray:
         """Rows ``start:end`` of the plan, copied into a fresh C-contiguous array (as :meth:`RowSpace.rows_at`)."""
-        return _gather(self._space, self._positions[start:end], self.dtype, self.item_shape)
+        return _gather(self._space, self._positions[start:end], self._dtype, self._item_shape)
 
 
 def _gather(space: np.ndarray, positions: np.ndarray, dtype: np.dtype, item_shape: tuple[int, ...]) -> np.ndarray:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from epochcache.train.device import host_tensor
+from epochcache.train.device import pinned_empty
 from epochcache.train.wire import from_wire, tensor_as_numpy, to_wire
 
 # Column starts aligned to a cache line, so each gather writes whole lines of its own column.
@@ -177,7 +177,7 @@ def _copied(rows: np.ndarray, pinned: bool) -> torch.Tensor:
     """A tensor of its own holding ``rows`` (a slot's): one copy, into pinned memory when ``pinned``."""
     if not pinned:
         return torch.from_numpy(rows.copy())
-    out = host_tensor(len(rows), rows.dtype, rows.shape[1:], pinned=True)
+    out = pinned_empty(rows.shape, rows.dtype)
     np.copyto(out.numpy(), rows)
     return out
 

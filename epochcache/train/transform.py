@@ -54,14 +54,14 @@ class TransformedDataset(Dataset[Any]):
     def __getitems__(self, indices: Sequence[int] | np.ndarray) -> Any:
         return self._apply(self.dataset.__getitems__(indices))
 
-    def jobs(self, sampler: EpochBatches, pinned: bool = False) -> Iterator[Planned]:
+    def jobs(self, sampler: EpochBatches) -> Iterator[Planned]:
         """``sampler``'s batches as jobs that build them transformed (see :meth:`ShardSetDataset.jobs`):
         the transforms run in the job, on whichever thread runs it (two batches' at once, in the batch
-        thread: :mod:`epochcache.train.prefetch`). ``pinned``: without transforms, gathered straight into
-        pinned memory (with them, what a transform returns is what is pinned, after it)."""
+        thread: :mod:`epochcache.train.prefetch`)."""
+        planned = self.dataset.jobs(sampler)
         if self.plain:
-            return self.dataset.jobs(sampler, pinned)
-        return then(self.dataset.jobs(sampler), self._apply)
+            return planned
+        return then(planned, self._apply)
 
     def _apply(self, batch: Any) -> Any:
         if self._sample_transform is not None:

@@ -298,8 +298,14 @@ def test_cuda_device_batches_arrive_on_the_gpu_intact(synced: Config, workers: i
 
 @needs_cuda
 @pytest.mark.parametrize("workers", [0, 2])
-def test_pinned_batches_are_gathered_into_page_locked_memory(synced: Config, workers: int) -> None:
-    # (batches of 50: the last of the epoch, and of some runs of batches planned together, is short)
+def test_pinned_batches_are_copied_into_page_locked_memory_without_torchs_pin_memory(
+    synced: Config, workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refused(tensor: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("torch's pin_memory() copies on every intra-op thread: not for these columns")
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", refused)
+    # (batches of 50: the epoch's last batch is short)
     with EpochCachedLoader(synced.cache.dir, batch_size=50, pin_memory=True, num_workers=workers) as loader:
         batches = [batch for _ in range(2) for batch in loader]
     assert all(b["image"].is_pinned() and b["id"].is_pinned() for b in batches)
