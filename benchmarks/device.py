@@ -23,6 +23,8 @@ Prints a table and writes JSON (``--out``, default ``benchmarks/results/device.j
 ``--device cpu`` runs the rows that need no pinning (a check of the script on a machine without one).
 
     python benchmarks/device.py [--size 1GB] [--epochs 4] [--rounds 3] [--device cuda] [--dir DIR] [--out F]
+
+(Run as a script: it imports ``loader.py`` from beside it.)
 """
 
 from __future__ import annotations
