@@ -17,6 +17,7 @@ Without an initialised process group, :class:`Peers` is the one-process case: no
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -33,6 +34,7 @@ from epochcache.errors import LoaderError
 from epochcache.sync.identity import recorded_splits
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,9 @@ class Peers:
         joining._agree("finding the ranks that share a cache",
                        lambda: dist.all_gather_object(keys, mine, group=group))
         node = tuple(r for r, key in enumerate(keys) if key[:2] == keys[rank][:2])
-        check_node_splits({key[:2]: key[3] for key in keys})
+        for warning in check_node_splits({key[:2]: key[3] for key in keys}):
+            if rank == 0:  # (every rank finds it: one says it)
+                log.warning("%s", warning)
         return cls(rank, world, node.index(rank), len(node), node, group, keys[node[0]][2], timeout)
 
     @property
@@ -130,17 +134,18 @@ class Peers:
             ) from exc
 
 
-def check_node_splits(splits: dict[tuple[str, str], list[tuple[str, int, int, int]]]) -> None:
+def check_node_splits(splits: dict[tuple[str, str], list[tuple[str, int, int, int]]]) -> list[str]:
     """``splits``: per node (host, cache dir), how its daemon split each remote (url, seed, node_rank,
     num_nodes). A :class:`LoaderError` if nodes fetching the same url would fetch a sample twice:
-    the same node_rank, different num_nodes, or a different seed (another order of the objects)."""
+    the same node_rank, different num_nodes, or a different seed (another order of the objects).
+    Returns warnings: for each url that every node has recorded a split of, the shares (node ranks
+    below num_nodes) that no node of the job holds, and so no node fetches (unless another job does)."""
     by_url: dict[str, list[tuple[str, int, int, int]]] = {}
     for (host, cache), node_splits in sorted(splits.items()):
         for url, seed, node_rank, nodes in node_splits:
             by_url.setdefault(url, []).append((f"{host}:{cache}", seed, node_rank, nodes))
+    warnings = []
     for url, sharing in by_url.items():
-        if len(sharing) < 2:
-            continue
         ranks = [r for _, _, r, _ in sharing]
         if len(set(ranks)) < len(ranks) or len({(s, n) for _, s, _, n in sharing}) > 1:
             shown = "; ".join(f"{name} has sampler.node_rank={r}, num_nodes={n}, seed={s}" for name, s, r, n in sharing)
@@ -149,6 +154,16 @@ def check_node_splits(splits: dict[tuple[str, str], list[tuple[str, int, int, in
                 f"node): {shown}; give each node's `epochcache sync` its own sampler.node_rank "
                 "(0..num_nodes-1) and all of them the same sampler.num_nodes and sampler.seed"
             )
+        nodes = sharing[0][3]
+        missing = sorted(set(range(nodes)) - set(ranks))
+        if missing and len(sharing) == len(splits):
+            warnings.append(
+                f"the daemons of this job's {len(splits)} node(s) split {url} into sampler.num_nodes={nodes} "
+                f"shares and fetch share(s) {', '.join(map(str, sorted(ranks)))}: share(s) "
+                f"{', '.join(map(str, missing))} ({len(missing)}/{nodes} of the remote) are fetched by no node "
+                "of this job; set sampler.num_nodes to the number of nodes, unless another job trains on them"
+            )
+    return warnings
 
 
 def _job_timeout() -> timedelta:

@@ -106,9 +106,10 @@ def test_two_nodes_two_ranks_each_equal_batches_disjoint_samples(tmp_path: Path)
 
 def test_node_splits_are_refused_only_where_two_nodes_would_fetch_one_sample() -> None:
     a, b, c = ("h1", "/c"), ("h2", "/c"), ("h3", "/c")
-    check_node_splits({a: [("s3://x", 0, 0, 2)], b: [("s3://x", 0, 1, 2)]})  # a proper split
-    check_node_splits({a: [("s3://x", 0, 0, 1)], b: [("s3://y", 0, 0, 1)]})  # different remotes
-    check_node_splits({a: [("s3://x", 0, 0, 2)], b: []})  # b's daemon has not listed yet: nothing to compare
+    assert check_node_splits({a: [("s3://x", 0, 0, 2)], b: [("s3://x", 0, 1, 2)]}) == []  # a proper split
+    assert check_node_splits({a: [("s3://x", 0, 0, 1)], b: [("s3://y", 0, 0, 1)]}) == []  # different remotes
+    # b's daemon has not listed yet: nothing to compare, and b may fetch share 1
+    assert check_node_splits({a: [("s3://x", 0, 0, 2)], b: []}) == []
     for wrong, why in (
         ({a: [("s3://x", 0, 0, 1)], b: [("s3://x", 0, 0, 1)]}, "h2:/c has sampler.node_rank=0, num_nodes=1"),
         ({a: [("s3://x", 0, 0, 2)], b: [("s3://x", 0, 1, 3)]}, "h2:/c has sampler.node_rank=1, num_nodes=3"),
@@ -118,3 +119,11 @@ def test_node_splits_are_refused_only_where_two_nodes_would_fetch_one_sample() -
         with pytest.raises(LoaderError, match="do not split s3://x") as caught:
             check_node_splits(wrong)
         assert why in str(caught.value)
+
+
+def test_shares_that_no_node_of_the_job_fetches_are_warned_of() -> None:
+    a, b = ("h1", "/c"), ("h2", "/c")
+    (two_of_three,) = check_node_splits({a: [("s3://x", 0, 0, 3)], b: [("s3://x", 0, 2, 3)]})
+    assert "sampler.num_nodes=3" in two_of_three and "share(s) 1 (1/3 of the remote)" in two_of_three
+    (alone,) = check_node_splits({a: [("s3://x", 0, 1, 2)]})
+    assert "share(s) 0 (1/2 of the remote)" in alone
