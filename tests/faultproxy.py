@@ -1,7 +1,8 @@
 """A fault-injecting HTTP/1.1 proxy on 127.0.0.1, in front of the S3 test server.
 
 Each request is forwarded on a fresh upstream connection; with probability ``rate`` its reply is
-replaced by a fault, chosen at random from ``kinds``: ``"503"`` (an S3 SlowDown reply), ``"reset"``
+replaced by a fault, chosen at random from ``kinds``: ``"503"`` (an S3 SlowDown reply, or the status
+and error code ``throttle`` names: a 429, MinIO's 503 SlowDownRead, a load balancer's 502), ``"reset"``
 (the client connection is aborted before any reply), ``"truncate"`` (the real headers, half the body,
 then the connection closes) or ``"delay"`` (the real reply after ``delay_s``); not among the
 default kinds, ``"stall"`` (the real headers, half the body, then silence until the proxy closes,
@@ -20,9 +21,12 @@ in ``If-Match``), as some S3-compatible stores do.
 Quirky stores: ``range_quirk="ignore"`` drops ``Range`` from object GETs (the store answers 200 with
 the whole object); ``range_quirk="shift"`` asks the store for the range one byte off the one requested
 (a 206 of the right length whose ``Content-Range`` is not the one asked); ``deny`` holds object paths
-(``/<bucket>/<key>``, as sent) whose GETs answer 403 with the S3 error code ``deny_code``;
+(``/<bucket>/<key>``, as sent) whose GETs answer ``deny_status`` (403) with the S3 error code ``deny_code``;
 ``listing_etag`` rewrites each ``<ETag>`` value of a listing (its bytes, quotes included, as the XML
-holds them), as stores whose listings spell ETags otherwise than their GET replies do.
+holds them), as stores whose listings spell ETags otherwise than their GET replies do;
+``refuse_checksum_mode`` answers 501 NotImplemented to an object GET that asks for checksums
+(``x-amz-checksum-mode``), as stores without them do. The head of every object GET forwarded or
+refused is kept in ``object_get_heads``.
 """
 
 from __future__ import annotations
@@ -36,11 +40,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from urllib.parse import urlparse
 
-_SLOWDOWN = (
-    b"<?xml version='1.0' encoding='UTF-8'?>\n<Error><Code>SlowDown</Code>"
-    b"<Message>Please reduce your request rate.</Message></Error>"
-)
-_DENIED = b"<?xml version='1.0' encoding='UTF-8'?>\n<Error><Code>%s</Code><Message>Access Denied</Message></Error>"
+_ERROR = b"<?xml version='1.0' encoding='UTF-8'?>\n<Error><Code>%s</Code><Message>%s</Message></Error>"
 _RANGE = re.compile(rb"(?im)^range: *bytes=(\d+)-(\d+)\r\n")
 KINDS = ("503", "reset", "truncate", "delay")
 _ETAG_HEX = re.compile(rb"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])")
@@ -53,13 +53,19 @@ class FaultProxy:
                  seed: int = 0, flip_rate: float = 0.0, ignore_if_match: bool = False,
                  disguise_etags: bool = False, range_quirk: str | None = None, deny: Sequence[str] = (),
                  deny_code: str = "AccessDenied", listing_etag: Callable[[bytes], bytes] | None = None,
-                 drip_s: float = 0.2) -> None:
+                 drip_s: float = 0.2, deny_status: int = 403, throttle: tuple[int, str] = (503, "SlowDown"),
+                 refuse_checksum_mode: bool = False) -> None:
         parsed = urlparse(upstream)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rate, self.kinds, self.delay_s, self.flip_rate = rate, tuple(kinds), delay_s, flip_rate
         self.ignore_if_match, self.disguise_etags = ignore_if_match, disguise_etags
         self.range_quirk, self.deny, self.listing_etag = range_quirk, {p.encode() for p in deny}, listing_etag
-        self._denied, self.drip_s = _DENIED % deny_code.encode(), drip_s
+        self.drip_s, self.refuse_checksum_mode = drip_s, refuse_checksum_mode
+        self.object_get_heads: list[bytes] = []
+        self._unsupported = _reply(501, _ERROR % (b"NotImplemented", b"A header you provided implies functionality "
+                                                                     b"that is not implemented"))
+        self._denied = _reply(deny_status, _ERROR % (deny_code.encode(), b"Access Denied"))
+        self._throttled = _reply(throttle[0], _ERROR % (throttle[1].encode(), b"Please reduce your request rate."))
         self._disguised: dict[bytes, bytes] = {}  # disguised ETag hex -> the store's
         self._rewrites: dict[str, Callable[[], object]] = {}
         self._random = random.Random(seed)
@@ -119,17 +125,22 @@ class FaultProxy:
             writer.transport.abort()
             return
         if fault == "503":
-            writer.write(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
-                         + str(len(_SLOWDOWN)).encode() + b"\r\nConnection: close\r\n\r\n" + _SLOWDOWN)
+            writer.write(self._throttled)
             await writer.drain()
             return
         method, target = head.split(b" ", 2)[:2]
         is_object_get = method == b"GET" and b"?" not in target
         self.object_gets += is_object_get
+        if is_object_get:
+            self.object_get_heads.append(head)
+        if is_object_get and self.refuse_checksum_mode and b"x-amz-checksum-mode:" in head.lower():
+            self.faults["checksum-mode"] += 1
+            writer.write(self._unsupported)
+            await writer.drain()
+            return
         if is_object_get and target in self.deny:
             self.faults["deny"] += 1
-            writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: "
-                         + str(len(self._denied)).encode() + b"\r\nConnection: close\r\n\r\n" + self._denied)
+            writer.write(self._denied)
             await writer.drain()
             return
         if is_object_get and self.range_quirk:
@@ -233,3 +244,9 @@ def _with_close(head: bytes) -> bytes:
     """``head`` (request or reply headers, ending in a blank line) with ``Connection: close``."""
     lines = [line for line in head[:-4].split(b"\r\n") if not line.lower().startswith(b"connection:")]
     return b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n"
+
+
+def _reply(status: int, body: bytes) -> bytes:
+    """A whole S3 error reply: ``status`` and its XML ``body``, on a connection closed after it."""
+    return (b"HTTP/1.1 %d Error\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n"
+            b"Connection: close\r\n\r\n" % (status, len(body))) + body

@@ -4,7 +4,8 @@
 
 Errors are translated here, at the boundary: a missing object, or one changed since it was listed,
 becomes :class:`ObjectMissingError` (the daemon skips it for the pass; the next pass's listing sees
-its new version); one object refused (403 AccessDenied) :class:`ObjectDeniedError` (skipped and
+its new version, as does a 416 to a range inside its listed size); one object refused (403
+AccessDenied, or another 4xx or a 501 that no retry cures) :class:`ObjectDeniedError` (skipped and
 reported, the pass goes on); a bucket gone mid-pass, refused credentials (an invalid, expired or
 mis-signed key), missing credentials, or refusals of :data:`_DENIED_IS_FATAL` objects before any
 read succeeded :class:`SourceError` naming the URL (configuration: fatal); bytes that fail a store
@@ -44,6 +45,7 @@ import logging
 import mmap
 import re
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any, TypeVar, overload
 
 import fsspec
@@ -51,7 +53,7 @@ import fsspec.asyn
 
 from epochcache.errors import CorruptObjectError, ObjectDeniedError, ObjectMissingError, SourceError
 from epochcache.sources.base import RemoteObject
-from epochcache.sources.retry import RangeMismatchError, TruncatedReadError, describe
+from epochcache.sources.retry import RangeMismatchError, TruncatedReadError, describe, is_transient
 
 _CHUNK = 1 << 20  # bytes of a GET body copied into a unit's image at a time
 _T = TypeVar("_T")
@@ -111,6 +113,12 @@ def _response(exc: BaseException) -> dict[str, Any]:
     return getattr(cause, "response", None) or {}
 
 
+def _status(exc: BaseException) -> int | None:
+    """The HTTP status of the S3 reply behind ``exc``, if there was one."""
+    status = _response(exc).get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status if isinstance(status, int) else None
+
+
 def _precondition_failed(exc: BaseException) -> bool:
     """True when S3 answered 412 to our If-Match."""
     response = _response(exc)
@@ -141,6 +149,7 @@ class RemoteFiles:
         self.local = bool({"file", "local"} & set(protocols))
         self._etags_are_md5 = True  # until the store shows otherwise (see _s3_read)
         self._if_match = True  # until the store refuses an unchanged object's ETag (see _get_object)
+        self._checksum_mode = True  # until the store refuses x-amz-checksum-mode (see _get_object)
         self._read_any = False  # a read of this source succeeded: a refused object is that object's, not ours
         self._denied: set[str] = set()  # paths refused (403) so far
 
@@ -241,6 +250,12 @@ class RemoteFiles:
         except OSError as exc:
             if _precondition_failed(exc):
                 raise self._changed(obj, "its ETag no longer matches") from exc
+            status = _status(exc)
+            if status == HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE:  # (a store without If-Match)
+                raise self._changed(obj, "it is shorter now: the store answered 416 to a range inside it") from exc
+            refused = status is not None and (400 <= status < 500 or status == HTTPStatus.NOT_IMPLEMENTED)
+            if refused and not is_transient(exc):  # this object refused for good (an SSE-C key it lacks, say)
+                raise self._denial(obj, exc) from exc
             raise
         except Exception as exc:
             if credentials_error(exc):
@@ -250,10 +265,11 @@ class RemoteFiles:
                                          f"{describe(exc)}") from exc
             raise
 
-    def _denial(self, obj: RemoteObject, exc: PermissionError) -> SourceError | ObjectDeniedError:
-        """What a 403 on ``obj`` means: refused credentials, or refusals before any read succeeded of
-        :data:`_DENIED_IS_FATAL` objects, are configuration (:class:`SourceError`); else this one
-        object is refused (:class:`ObjectDeniedError`: skipped and reported, the others read on)."""
+    def _denial(self, obj: RemoteObject, exc: OSError) -> SourceError | ObjectDeniedError:
+        """What a refusal of ``obj`` means (a 403, or another 4xx or a 501 no retry cures): refused
+        credentials, or refusals before any read succeeded of :data:`_DENIED_IS_FATAL` objects, are
+        configuration (:class:`SourceError`); else this one object is refused
+        (:class:`ObjectDeniedError`: skipped and reported, the others read on)."""
         url = self._url(obj.path)
         self._denied.add(obj.path)
         code = _response(exc).get("Error", {}).get("Code")
@@ -261,8 +277,9 @@ class RemoteFiles:
             return SourceError(f"cannot read {url} ({len(self._denied)} object(s) of {self.url} refused, none "
                                f"read): {describe(exc)}: check the credentials and the bucket policy "
                                "(s3:GetObject)")
-        return ObjectDeniedError(f"cannot read {url}: {describe(exc)}: this object is skipped; grant "
-                                 "s3:GetObject on it (its ACL, the bucket policy, its KMS key) to have it read")
+        fix = ("grant s3:GetObject on it (its ACL, the bucket policy, its KMS key) to have it read"
+               if isinstance(exc, PermissionError) else f"the store refuses to serve it (HTTP {_status(exc)})")
+        return ObjectDeniedError(f"cannot read {url}: {describe(exc)}: this object is skipped; {fix}")
 
     def _silence(self) -> float | None:
         """The longest silence a request may keep (botocore's read_timeout: sampler.request_timeout_s)."""
@@ -316,12 +333,17 @@ class RemoteFiles:
 
     def _s3_request(self, obj: RemoteObject, start: int, end: int, whole: bool) -> dict[str, Any]:
         """GetObject's arguments, pinned by If-Match. A whole object pinned so is asked for without a
-        Range: S3 sends (and botocore checks) its ``x-amz-checksum-*`` only for an unranged GET."""
+        Range, with ``ChecksumMode``: S3 sends (and botocore checks) its ``x-amz-checksum-*`` only for
+        an unranged GET. A ranged GET asks for none: some stores send the whole object's checksum
+        with a range of it, which botocore would check against the range (older MinIO and Ceph RGW),
+        failing every ranged read (botocore asks only where told: ``single_attempt_options``)."""
         bucket, key, _ = self.fs.split_path(obj.path)
         request: dict[str, Any] = {"Bucket": bucket, "Key": key}
         unranged = (whole and obj.etag) or (start == 0 and obj.size == 0)  # an empty object has no byte to range
         if not unranged:
             request["Range"] = f"bytes={start}-{end - 1}"
+        elif self._checksum_mode:
+            request["ChecksumMode"] = "ENABLED"
         if obj.etag and self._if_match:
             request["IfMatch"] = obj.etag
         return request
@@ -334,6 +356,15 @@ class RemoteFiles:
         try:
             return await self.fs._call_s3("get_object", **request)
         except OSError as exc:
+            if "ChecksumMode" in request and _status(exc) == HTTPStatus.NOT_IMPLEMENTED:
+                # (asked again without: a 501 then too is this object's, and checksums stay asked for)
+                reply = await self._get_object(obj, {k: v for k, v in request.items() if k != "ChecksumMode"})
+                if self._checksum_mode:
+                    self._checksum_mode = False
+                    log.warning("%s: the store refuses to send checksums (501 to x-amz-checksum-mode): whole "
+                                "objects under %s are checked by their MD5 ETag alone from now on",
+                                self._url(obj.path), self.url)
+                return reply
             if "IfMatch" not in request or not _precondition_failed(exc) or not await self._unchanged(obj):
                 raise
         if self._if_match:

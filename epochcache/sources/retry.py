@@ -1,11 +1,12 @@
 """Retries of remote reads: exponential backoff with full jitter, attempts counted where they happen.
 
-Flow: ``Retrier.call(fn, what)`` runs ``fn``; a transient failure (:func:`is_transient`: 5xx,
-SlowDown/503, timeouts, connection resets, truncated bodies, replies of another range) is retried after a random wait in
-``[0, min(backoff_max_s, backoff_s * 2**attempt)]`` (full jitter, AWS's recommendation) up to
-``max_attempts`` in all, and so is a :class:`CorruptObjectError` (a checksum mismatch may be a bit
-flipped in transit), re-raised as itself after the last attempt; a permanent one (no such bucket
-or key, access denied, no credentials) is raised at once.
+Flow: ``Retrier.call(fn, what)`` runs ``fn``; a transient failure (:func:`is_transient`: 5xx but
+501, 429, throttling by any name, timeouts, connection resets, truncated bodies, replies of another
+range) is retried after a random wait in ``[0, min(backoff_max_s, backoff_s * 2**attempt)]``
+(full jitter, AWS's recommendation) up to ``max_attempts`` in all, and so is a
+:class:`CorruptObjectError` (a checksum mismatch may be a bit flipped in transit), re-raised as
+itself after the last attempt; a permanent one (no such bucket or key, access denied, no
+credentials) is raised at once.
 Each retry and each give-up is counted through ``count(name)``.
 
 Invariant: attempts are counted only here. The S3 client's own retry layers (s3fs's loop,
@@ -21,6 +22,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any, TypeVar
 
 import tenacity
@@ -35,6 +37,12 @@ T = TypeVar("T")
 # -> EREMOTEIO; plus the socket-level ones.
 _TRANSIENT_ERRNOS = {errno.EBUSY, getattr(errno, "EREMOTEIO", errno.EIO), errno.ETIMEDOUT, errno.ECONNRESET,
                      errno.ECONNABORTED, errno.EPIPE}
+
+
+# S3 replies another attempt may cure besides any 5xx: throttling, whatever its status and spelling
+# (AWS's SlowDown, MinIO's SlowDownRead, a gateway's TooManyRequests), and timeouts of the store's own.
+_THROTTLED = {"SlowDown", "SlowDownRead", "SlowDownWrite", "TooManyRequests", "Throttling", "ThrottlingException",
+              "RequestLimitExceeded", "RequestThrottled", "RequestTimeout"}
 
 
 class TruncatedReadError(OSError):
@@ -72,9 +80,15 @@ def _is_transient_http(exc: BaseException) -> bool:
         return False
     if isinstance(exc, (aiohttp.ClientError, bex.HTTPClientError, bex.ConnectionError)):
         return True
-    if isinstance(exc, bex.ClientError):
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return status >= 500 or exc.response.get("Error", {}).get("Code") in {"SlowDown", "RequestTimeout"}
+    # s3fs turns a reply it has no errno for (a 502 or 504 from a load balancer, a 429, MinIO's 503
+    # SlowDownRead) into OSError(EIO), the store's reply kept as its cause
+    error = exc if isinstance(exc, bex.ClientError) else exc.__cause__
+    if isinstance(error, bex.ClientError):
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        code = error.response.get("Error", {}).get("Code")
+        # (a 501 is the one 5xx no retry cures: the store lacks what the request asks for)
+        return (status >= 500 and status != HTTPStatus.NOT_IMPLEMENTED) or status == HTTPStatus.TOO_MANY_REQUESTS \
+            or code in _THROTTLED
     return False
 
 
@@ -150,6 +164,8 @@ def single_attempt_options(url: str, storage_options: dict[str, Any], timeout_s:
         return storage_options
     config = dict(storage_options.get("config_kwargs") or {})
     config.setdefault("retries", {"total_max_attempts": 1})
+    # checksums are asked for by the source, for whole objects only (RemoteFiles._s3_request)
+    config.setdefault("response_checksum_validation", "when_required")
     session_cls = _single_send_session_cls()
     if session_cls is not None:
         config.setdefault("http_session_cls", session_cls)

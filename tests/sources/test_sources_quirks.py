@@ -239,3 +239,69 @@ def test_a_stalled_listing_is_given_up_as_transient(s3: Any, bucket: str, quirky
         ParquetSource(url, storage_options=_options(url, proxy, timeout_s=0.5)).list_objects()
     assert is_transient(info.value) and time.monotonic() - began < 8.0
     assert proxy.faults["stall"] == 1
+
+
+@pytest.mark.parametrize("throttle", [(429, "TooManyRequests"), (503, "SlowDownRead"), (502, "BadGateway")],
+                         ids=["429", "minio-slowdownread", "502"])
+def test_throttling_and_gateway_errors_by_any_name_are_transient(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], throttle: tuple[int, str]
+) -> None:
+    """s3fs has no errno for these (OSError EIO, the reply kept as its cause): still retried."""
+    proxy = quirky(throttle=throttle)
+    remote, obj = _blob(s3, bucket, proxy)
+    proxy.rate, proxy.kinds = 1.0, ("503",)
+    with pytest.raises(OSError) as caught:
+        remote.fetch(obj, 0, 100)
+    assert is_transient(caught.value), caught.value
+    proxy.rate = 0.0
+    assert remote.fetch(obj, 0, 100) == DATA[:100]
+
+
+@pytest.mark.parametrize(("status", "code"), [(400, "InvalidRequest"), (501, "NotImplemented")])
+def test_an_object_the_store_will_not_serve_is_object_denied_not_a_crash(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], status: int, code: str
+) -> None:
+    """An SSE-C object read without its key (400), a feature the store lacks (501): no retry cures
+    it, so that object is skipped and reported, and the others read."""
+    proxy = quirky(deny=[f"/{bucket}/refuse/cls/b.bin"], deny_status=status, deny_code=code)
+    for name in ("a", "b"):
+        s3.pipe(f"{bucket}/refuse/cls/{name}.bin", name.encode() * 100)
+    source = ObjectSource(f"s3://{bucket}/refuse", storage_options=_options(f"s3://{bucket}/refuse", proxy))
+    a, b = source.list_objects()
+    assert source.read(source.units(a)[0])["data"].to_pylist() == [b"a" * 100]
+    refused = rf"b.bin: .*skipped; the store refuses to serve it \(HTTP {status}\)"
+    with pytest.raises(ObjectDeniedError, match=refused) as caught:
+        source.read(source.units(b)[0])
+    assert not is_transient(caught.value)
+    assert source.read(source.units(a)[0])["data"].to_pylist() == [b"a" * 100], "and the source reads on"
+
+
+def test_a_range_past_the_end_of_an_object_cut_shorter_is_object_missing(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
+) -> None:
+    """A store without If-Match answers 416 to a range an object, rewritten shorter since its
+    listing, no longer holds: the object changed, not a crash."""
+    proxy = quirky(ignore_if_match=True)
+    remote, obj = _blob(s3, bucket, proxy)
+    s3.pipe(obj.path, DATA[:1000])
+    with pytest.raises(ObjectMissingError, match="changed since it was listed .*416"):
+        remote.fetch(obj, 2000, 3000)
+
+
+def test_checksums_are_asked_for_whole_objects_only_and_a_store_without_them_is_read_on(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ranged GET asks for no checksum (stores that send the whole object's with a range would fail
+    every ranged read); a whole-object GET does, and a store that answers that with 501 is read on
+    without it, said once."""
+    proxy = quirky(refuse_checksum_mode=True)
+    remote, obj = _blob(s3, bucket, proxy)
+    assert remote.fetch(obj, 100, 200) == DATA[100:200]
+    assert b"x-amz-checksum-mode" not in proxy.object_get_heads[-1].lower()
+    with caplog.at_level(logging.WARNING, logger="epochcache.sources.remote"):
+        assert remote.fetch_whole(obj) == DATA
+        assert remote.fetch_whole(obj) == DATA
+    assert proxy.faults["checksum-mode"] == 1, "asked once, refused once, then not asked again"
+    assert sum("refuses to send checksums" in r.getMessage() for r in caplog.records) == 1
+    asked = [b"x-amz-checksum-mode: enabled" in head.lower() for head in proxy.object_get_heads]
+    assert asked == [False, True, False, False], "the range, the refused whole GET, then two without"
