@@ -320,15 +320,15 @@ def test_a_flipped_whole_object_is_corrupt_by_the_store_checksum(s3: Any, bucket
 
 
 def test_a_flipped_whole_object_is_corrupt_by_its_md5_etag(s3: Any, bucket: str, s3_endpoint: str) -> None:
-    """With botocore's own checksum validation off (a store that sends none), the plain-MD5 ETag
+    """From a store that sends no checksum (it refuses ``x-amz-checksum-mode``), the plain-MD5 ETag
     still catches the flipped body."""
     from faultproxy import FaultProxy
 
     s3.pipe(f"{bucket}/md5/cls/a.bin", b"x" * 1000)
-    proxy = FaultProxy(s3_endpoint, rate=0.0, flip_rate=1.0, seed=2)
+    proxy = FaultProxy(s3_endpoint, rate=0.0, flip_rate=1.0, seed=2, refuse_checksum_mode=True)
     try:
         options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url},
-                   "config_kwargs": {"response_checksum_validation": "when_required"}}
+                   "config_kwargs": {"response_checksum_validation": "when_required"}}  # (as the daemon sets it)
         source = ObjectSource(f"s3://{bucket}/md5", storage_options=options)
         (obj,) = source.list_objects()
         with pytest.raises(CorruptObjectError, match=r"a.bin: its bytes do not match its ETag \(MD5"):
