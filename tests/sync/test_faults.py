@@ -97,6 +97,21 @@ def test_ten_percent_faults_every_unit_published_once_or_skipped(
                                   "units_skipped": report.units_skipped}, "pass 0 done"
 
 
+def test_a_store_that_throttles_in_its_own_words_is_waited_out_not_fatal(
+    s3: Any, bucket: str, s3_endpoint: str, make_config: Callable[..., Config], request: pytest.FixtureRequest
+) -> None:
+    """MinIO's 503 SlowDownRead, which s3fs raises as OSError EIO, on listings and GETs alike: the pass
+    completes with every unit cached, as with AWS's SlowDown."""
+    write_parquet_dataset(s3, f"{bucket}/throttled", 2, ROWS_PER_FILE, ROWS_PER_GROUP)
+    proxy = FaultProxy(s3_endpoint, rate=0.3, kinds=("503",), seed=4, throttle=(503, "SlowDownRead"))
+    request.addfinalizer(proxy.close)
+    config = make_config(f"s3://{bucket}/throttled", **ROOMY, **FAST_RETRIES, **{
+        "source.storage_options": {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": proxy.url}}})
+    report = SyncDaemon(config, progress=False).run(once=True)
+    assert report.reason is StopReason.EXHAUSTED and proxy.faults["503"] > 0
+    assert report.samples_published == 2 * ROWS_PER_FILE and report.units_unread == 0
+
+
 def test_an_object_deleted_mid_pass_is_skipped_and_the_pass_completes(
     tmp_path: Path, make_config: Callable[..., Config]
 ) -> None:
