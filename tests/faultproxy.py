@@ -24,6 +24,7 @@ the whole object); ``range_quirk="shift"`` asks the store for the range one byte
 (``/<bucket>/<key>``, as sent) whose GETs answer ``deny_status`` (403) with the S3 error code ``deny_code``;
 ``listing_etag`` rewrites each ``<ETag>`` value of a listing (its bytes, quotes included, as the XML
 holds them), as stores whose listings spell ETags otherwise than their GET replies do;
+``reply_etag`` respells the ``ETag`` header of object GET replies (upper case, say);
 ``refuse_checksum_mode`` answers 501 NotImplemented to an object GET that asks for checksums
 (``x-amz-checksum-mode``), as stores without them do. The head of every object GET forwarded or
 refused is kept in ``object_get_heads``.
@@ -54,13 +55,13 @@ class FaultProxy:
                  disguise_etags: bool = False, range_quirk: str | None = None, deny: Sequence[str] = (),
                  deny_code: str = "AccessDenied", listing_etag: Callable[[bytes], bytes] | None = None,
                  drip_s: float = 0.2, deny_status: int = 403, throttle: tuple[int, str] = (503, "SlowDown"),
-                 refuse_checksum_mode: bool = False) -> None:
+                 refuse_checksum_mode: bool = False, reply_etag: Callable[[bytes], bytes] | None = None) -> None:
         parsed = urlparse(upstream)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rate, self.kinds, self.delay_s, self.flip_rate = rate, tuple(kinds), delay_s, flip_rate
         self.ignore_if_match, self.disguise_etags = ignore_if_match, disguise_etags
         self.range_quirk, self.deny, self.listing_etag = range_quirk, {p.encode() for p in deny}, listing_etag
-        self.drip_s, self.refuse_checksum_mode = drip_s, refuse_checksum_mode
+        self.drip_s, self.refuse_checksum_mode, self.reply_etag = drip_s, refuse_checksum_mode, reply_etag
         self.object_get_heads: list[bytes] = []
         self._unsupported = _reply(501, _ERROR % (b"NotImplemented", b"A header you provided implies functionality "
                                                                      b"that is not implemented"))
@@ -158,6 +159,11 @@ class FaultProxy:
             reply = self._disguise(reply, listing=not is_object_get)
         if self.listing_etag is not None and method == b"GET" and b"?" in target:  # a listing
             reply = self._respell(reply, self.listing_etag)
+        if is_object_get and self.reply_etag is not None:
+            split = reply.index(b"\r\n\r\n") + 4
+            respell = self.reply_etag
+            reply = re.sub(rb"(?im)^(etag: *)(.*?)(\r?)$", lambda m: m.group(1) + respell(m.group(2)) + m.group(3),
+                           reply[:split]) + reply[split:]
         if is_object_get and self.flip_rate and self._random.random() < self.flip_rate:
             reply = self._flip(reply)
         if fault == "delay":

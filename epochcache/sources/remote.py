@@ -59,7 +59,8 @@ _CHUNK = 1 << 20  # bytes of a GET body copied into a unit's image at a time
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
-_PLAIN_MD5 = re.compile(r'^"?([0-9a-f]{32})"?$')
+# (spelled in either case, and weak or not, by some S3-compatible stores)
+_PLAIN_MD5 = re.compile(r'^(?:W/)?"?([0-9a-f]{32})"?$', re.IGNORECASE)
 # Server-side encryption under which an S3 ETag is not the MD5 of the body.
 _ETAG_NOT_MD5 = {"aws:kms", "aws:kms:dsse"}
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/")
@@ -299,10 +300,10 @@ class RemoteFiles:
         data, reply = self._sync(end - start, self._s3_get, obj, start, end, whole)
         self._check_served(obj, reply, start)
         if whole and len(data) == obj.size and self._etags_are_md5:
-            md5 = _PLAIN_MD5.match(str(reply.get("ETag", "")))
+            md5 = _PLAIN_MD5.match(str(reply.get("ETag", "")).strip())
             encrypted = reply.get("ServerSideEncryption") in _ETAG_NOT_MD5 or reply.get("SSECustomerAlgorithm")
             digest = hashlib.md5(data).hexdigest()
-            if md5 and not encrypted and digest != md5.group(1):
+            if md5 and not encrypted and digest != md5.group(1).lower():
                 # Damage in transit, or a store whose plain-looking ETags are not MD5s (S3-compatible
                 # stores differ): a second read tells, as damage does not repeat itself bit for bit.
                 again, _ = self._sync(end - start, self._s3_get, obj, start, end, whole)
