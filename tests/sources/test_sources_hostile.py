@@ -10,8 +10,8 @@ import logging
 import resource
 import tarfile
 import threading
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
