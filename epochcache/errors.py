@@ -8,7 +8,7 @@
     │   │                           access denied, no such bucket; no retry helps)
     │   └── ObjectMissingError      a listed object is gone, or changed since it was listed: skipped
     ├── FetchFailedError            a remote read kept failing with transient errors (retried later)
-    │   └── ObjectDeniedError       one listed object refuses reads (403) while the source reads: skipped
+    │   └── ObjectDeniedError       one listed object refuses reads (403, another 4xx, a 501): skipped
     ├── CorruptObjectError          a remote object's bytes are bad (damaged metadata or payload, a
     │   │                           checksum mismatch, a member too large): the unit is skipped, reported
     │   └── OversizeUnitError       a unit larger than the budget can hold as one shard: skipped, never retried
@@ -51,8 +51,9 @@ class FetchFailedError(EpochcacheError):
 
 
 class ObjectDeniedError(FetchFailedError):
-    """One listed object answers 403 (its ACL, the bucket policy or its KMS key refuse it) while the
-    credentials themselves are good: not retried (no attempt helps), the unit is skipped with this
+    """One listed object answers 403 (its ACL, the bucket policy or its KMS key refuse it), or another
+    4xx or a 501 no retry cures (an SSE-C object read without its key), while the credentials
+    themselves are good: not retried (no attempt helps), the unit is skipped with this
     reason, read once more at the pass end, and reported; the pass goes on. Refused credentials, or
     refusals before any object read, are a :class:`SourceError` instead."""
 

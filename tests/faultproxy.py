@@ -24,7 +24,8 @@ the whole object); ``range_quirk="shift"`` asks the store for the range one byte
 (``/<bucket>/<key>``, as sent) whose GETs answer ``deny_status`` (403) with the S3 error code ``deny_code``;
 ``listing_etag`` rewrites each ``<ETag>`` value of a listing (its bytes, quotes included, as the XML
 holds them), as stores whose listings spell ETags otherwise than their GET replies do;
-``reply_etag`` respells the ``ETag`` header of object GET replies (upper case, say);
+``reply_etag`` respells the ``ETag`` header of object GET replies (upper case, say); ``refuse_listing``
+(a status and an S3 error code) answers every listing so, as a store refusing the region or signature;
 ``refuse_checksum_mode`` answers 501 NotImplemented to an object GET that asks for checksums
 (``x-amz-checksum-mode``), as stores without them do. The head of every object GET forwarded or
 refused is kept in ``object_get_heads``.
@@ -55,7 +56,8 @@ class FaultProxy:
                  disguise_etags: bool = False, range_quirk: str | None = None, deny: Sequence[str] = (),
                  deny_code: str = "AccessDenied", listing_etag: Callable[[bytes], bytes] | None = None,
                  drip_s: float = 0.2, deny_status: int = 403, throttle: tuple[int, str] = (503, "SlowDown"),
-                 refuse_checksum_mode: bool = False, reply_etag: Callable[[bytes], bytes] | None = None) -> None:
+                 refuse_checksum_mode: bool = False, reply_etag: Callable[[bytes], bytes] | None = None,
+                 refuse_listing: tuple[int, str] | None = None) -> None:
         parsed = urlparse(upstream)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rate, self.kinds, self.delay_s, self.flip_rate = rate, tuple(kinds), delay_s, flip_rate
@@ -63,6 +65,8 @@ class FaultProxy:
         self.range_quirk, self.deny, self.listing_etag = range_quirk, {p.encode() for p in deny}, listing_etag
         self.drip_s, self.refuse_checksum_mode, self.reply_etag = drip_s, refuse_checksum_mode, reply_etag
         self.object_get_heads: list[bytes] = []
+        self._listing_refused = None if refuse_listing is None else _reply(
+            refuse_listing[0], _ERROR % (refuse_listing[1].encode(), b"The request is refused"))
         self._unsupported = _reply(501, _ERROR % (b"NotImplemented", b"A header you provided implies functionality "
                                                                      b"that is not implemented"))
         self._denied = _reply(deny_status, _ERROR % (deny_code.encode(), b"Access Denied"))
@@ -134,6 +138,11 @@ class FaultProxy:
         self.object_gets += is_object_get
         if is_object_get:
             self.object_get_heads.append(head)
+        if self._listing_refused is not None and method == b"GET" and b"?" in target:
+            self.faults["listing-refused"] += 1
+            writer.write(self._listing_refused)
+            await writer.drain()
+            return
         if is_object_get and self.refuse_checksum_mode and b"x-amz-checksum-mode:" in head.lower():
             self.faults["checksum-mode"] += 1
             writer.write(self._unsupported)

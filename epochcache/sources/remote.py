@@ -64,13 +64,15 @@ _PLAIN_MD5 = re.compile(r'^(?:W/)?"?([0-9a-f]{32})"?$', re.IGNORECASE)
 # Server-side encryption under which an S3 ETag is not the MD5 of the body.
 _ETAG_NOT_MD5 = {"aws:kms", "aws:kms:dsse"}
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/")
-# S3 error codes of a 403 that refuse the credentials themselves, not one object: no object will read.
+# S3 error codes that refuse the credentials, the clock or the request's signing, not one object: no
+# object will read (a 403, or a 400 for a region or signature version the store does not take).
 _BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-                    "TokenRefreshRequired"}
+                    "TokenRefreshRequired", "RequestTimeTooSkewed", "AuthorizationHeaderMalformed",
+                    "AuthorizationQueryParametersError", "MissingSecurityHeader"}
 # The slowest average transfer a request may keep up (with twice sampler.request_timeout_s on top) before
 # it is given up and retried; far below any link a dataset is trained over.
 _MIN_BYTES_PER_S = 64 * 1024
-# Objects refused (403) before any read of the source succeeded that make it a configuration error
+# Objects refused (403, or another 4xx) before any read of the source succeeded that make it a configuration error
 # (a policy that lets the bucket be listed but no object read), not a few bad objects.
 _DENIED_IS_FATAL = 3
 
@@ -114,6 +116,14 @@ def _response(exc: BaseException) -> dict[str, Any]:
     return getattr(cause, "response", None) or {}
 
 
+def refused(exc: OSError) -> bool:
+    """Whether ``exc`` is a store's refusal no retry cures: a 4xx (or a 501) that is not throttling.
+    (A 403, 404, 412 or 416 is told apart by the caller first where it means more.)"""
+    status = _status(exc)
+    return status is not None and (400 <= status < 500 or status == HTTPStatus.NOT_IMPLEMENTED) \
+        and not is_transient(exc)
+
+
 def _status(exc: BaseException) -> int | None:
     """The HTTP status of the S3 reply behind ``exc``, if there was one."""
     status = _response(exc).get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -152,7 +162,7 @@ class RemoteFiles:
         self._if_match = True  # until the store refuses an unchanged object's ETag (see _get_object)
         self._checksum_mode = True  # until the store refuses x-amz-checksum-mode (see _get_object)
         self._read_any = False  # a read of this source succeeded: a refused object is that object's, not ours
-        self._denied: set[str] = set()  # paths refused (403) so far
+        self._denied: set[str] = set()  # paths refused (403, or another 4xx or a 501) so far
 
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
         return f"RemoteFiles({self.url!r})"
@@ -254,8 +264,7 @@ class RemoteFiles:
             status = _status(exc)
             if status == HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE:  # (a store without If-Match)
                 raise self._changed(obj, "it is shorter now: the store answered 416 to a range inside it") from exc
-            refused = status is not None and (400 <= status < 500 or status == HTTPStatus.NOT_IMPLEMENTED)
-            if refused and not is_transient(exc):  # this object refused for good (an SSE-C key it lacks, say)
+            if refused(exc):  # this object refused for good (an SSE-C key it lacks, say)
                 raise self._denial(obj, exc) from exc
             raise
         except Exception as exc:
@@ -277,7 +286,8 @@ class RemoteFiles:
         if code in _BAD_CREDENTIALS or (not self._read_any and len(self._denied) >= _DENIED_IS_FATAL):
             return SourceError(f"cannot read {url} ({len(self._denied)} object(s) of {self.url} refused, none "
                                f"read): {describe(exc)}: check the credentials and the bucket policy "
-                               "(s3:GetObject)")
+                               "(s3:GetObject), and the endpoint, region and signature settings "
+                               "(source.storage_options)")
         fix = ("grant s3:GetObject on it (its ACL, the bucket policy, its KMS key) to have it read"
                if isinstance(exc, PermissionError) else f"the store refuses to serve it (HTTP {_status(exc)})")
         return ObjectDeniedError(f"cannot read {url}: {describe(exc)}: this object is skipped; {fix}")
@@ -357,14 +367,14 @@ class RemoteFiles:
         try:
             return await self.fs._call_s3("get_object", **request)
         except OSError as exc:
-            if "ChecksumMode" in request and _status(exc) == HTTPStatus.NOT_IMPLEMENTED:
-                # (asked again without: a 501 then too is this object's, and checksums stay asked for)
+            if "ChecksumMode" in request and _status(exc) in (HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_IMPLEMENTED):
+                # (asked again without: a refusal then too is this object's, and checksums stay asked for)
                 reply = await self._get_object(obj, {k: v for k, v in request.items() if k != "ChecksumMode"})
                 if self._checksum_mode:
                     self._checksum_mode = False
-                    log.warning("%s: the store refuses to send checksums (501 to x-amz-checksum-mode): whole "
+                    log.warning("%s: the store refuses to send checksums (%s to x-amz-checksum-mode): whole "
                                 "objects under %s are checked by their MD5 ETag alone from now on",
-                                self._url(obj.path), self.url)
+                                self._url(obj.path), _status(exc), self.url)
                 return reply
             if "IfMatch" not in request or not _precondition_failed(exc) or not await self._unchanged(obj):
                 raise
@@ -372,7 +382,7 @@ class RemoteFiles:
             self._if_match = False
             log.warning("%s: the store refuses If-Match %s though a HEAD shows the object unchanged: reads under %s "
                         "are pinned by the reply's ETag alone from now on", self._url(obj.path), obj.etag, self.url)
-        return await self.fs._call_s3("get_object", **{k: v for k, v in request.items() if k != "IfMatch"})
+        return await self._get_object(obj, {k: v for k, v in request.items() if k != "IfMatch"})
 
     async def _unchanged(self, obj: RemoteObject) -> bool:
         """Whether a HEAD of ``obj`` shows the listed version (ETag compared as :func:`_bare`, and size)."""

@@ -82,7 +82,7 @@ def _is_transient_http(exc: BaseException) -> bool:
         return True
     # s3fs turns a reply it has no errno for (a 502 or 504 from a load balancer, a 429, MinIO's 503
     # SlowDownRead) into OSError(EIO), the store's reply kept as its cause
-    error = exc if isinstance(exc, bex.ClientError) else exc.__cause__
+    error = exc.__cause__ if isinstance(exc, OSError) else exc
     if isinstance(error, bex.ClientError):
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         code = error.response.get("Error", {}).get("Code")
@@ -164,14 +164,24 @@ def single_attempt_options(url: str, storage_options: dict[str, Any], timeout_s:
         return storage_options
     config = dict(storage_options.get("config_kwargs") or {})
     config.setdefault("retries", {"total_max_attempts": 1})
-    # checksums are asked for by the source, for whole objects only (RemoteFiles._s3_request)
-    config.setdefault("response_checksum_validation", "when_required")
+    if _botocore_has("response_checksum_validation"):  # (botocore 1.36 on: before, only where asked anyway)
+        # checksums are asked for by the source, for whole objects only (RemoteFiles._s3_request)
+        config.setdefault("response_checksum_validation", "when_required")
     session_cls = _single_send_session_cls()
     if session_cls is not None:
         config.setdefault("http_session_cls", session_cls)
     config.setdefault("connect_timeout", timeout_s)
     config.setdefault("read_timeout", timeout_s)
     return {**storage_options, "config_kwargs": config}
+
+
+def _botocore_has(option: str) -> bool:
+    """Whether the installed botocore's Config takes ``option`` (an unknown one is a TypeError)."""
+    try:
+        from botocore.config import Config
+    except ImportError:  # no S3 stack installed
+        return False
+    return option in Config.OPTION_DEFAULTS
 
 
 @functools.cache

@@ -19,7 +19,7 @@ import fsspec.asyn
 
 from epochcache.errors import SourceError
 from epochcache.sources.base import RemoteObject
-from epochcache.sources.remote import RemoteFiles, credentials_error, etag_of
+from epochcache.sources.remote import RemoteFiles, credentials_error, etag_of, refused
 from epochcache.sources.retry import describe
 
 PAGE = 1000  # objects per listing page: S3's own page size
@@ -56,6 +56,9 @@ def scan(
         if credentials_error(exc):
             raise SourceError(f"cannot list {remote.url}: {describe(exc)}: give credentials (AWS_* environment, "
                               "~/.aws, or source.storage_options key/secret)") from exc
+        if isinstance(exc, OSError) and refused(exc):  # (a region, signature version or endpoint the store refuses)
+            raise SourceError(f"cannot list {remote.url}: {describe(exc)}: check source.url and the endpoint, "
+                              "region and signature settings (source.storage_options)") from exc
         raise
     if not found:
         raise SourceError(f"no {kind} files ({', '.join('*' + s for s in suffixes)}) under {remote.url}: "

@@ -108,7 +108,7 @@ class SkipBook:
 def _what(exc: Exception) -> str:
     """What a skip says of the remote, for the daemon's last error."""
     if isinstance(exc, ObjectDeniedError):
-        return "access denied"
+        return "object refused"
     if isinstance(exc, FetchFailedError):
         return "remote unreachable"
     if isinstance(exc, OversizeUnitError):

@@ -274,6 +274,34 @@ def test_an_object_the_store_will_not_serve_is_object_denied_not_a_crash(
         source.read(source.units(b)[0])
     assert not is_transient(caught.value)
     assert source.read(source.units(a)[0])["data"].to_pylist() == [b"a" * 100], "and the source reads on"
+    assert proxy.faults["deny"] == 2, "b asked with checksums, then without: refused both times"
+    assert b"x-amz-checksum-mode: enabled" in proxy.object_get_heads[-1].lower(), "a's checksum is still asked for"
+
+
+@pytest.mark.parametrize("code", ["AuthorizationHeaderMalformed", "RequestTimeTooSkewed"])
+def test_a_refusal_of_the_signing_or_the_clock_is_a_configuration_error_at_once(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], code: str
+) -> None:
+    """A region or signature the store does not take (400), a clock off by minutes (403): no object
+    will read, so the first refusal stops the source, naming what to check."""
+    proxy = quirky(deny=[f"/{bucket}/sign/cls/a.bin"], deny_status=400 if code.startswith("Auth") else 403,
+                   deny_code=code)
+    s3.pipe(f"{bucket}/sign/cls/a.bin", b"x" * 10)
+    source = ObjectSource(f"s3://{bucket}/sign", storage_options=_options(f"s3://{bucket}/sign", proxy))
+    (obj,) = source.list_objects()
+    with pytest.raises(SourceError, match="region and signature settings") as caught:
+        source.read(source.units(obj)[0])
+    assert not isinstance(caught.value, ObjectDeniedError)
+
+
+def test_a_listing_the_store_refuses_is_a_configuration_error_naming_what_to_check(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
+) -> None:
+    proxy = quirky(refuse_listing=(400, "InvalidArgument"))
+    s3.pipe(f"{bucket}/nolist/cls/a.bin", b"x" * 10)
+    source = ObjectSource(f"s3://{bucket}/nolist", storage_options=_options(f"s3://{bucket}/nolist", proxy))
+    with pytest.raises(SourceError, match=r"cannot list s3://.*/nolist: .*endpoint, region and signature"):
+        source.list_objects()
 
 
 def test_a_range_past_the_end_of_an_object_cut_shorter_is_object_missing(
