@@ -107,6 +107,7 @@ def test_a_rank_killed_mid_epoch_fails_the_others_at_once_with_a_loader_error(
         assert records[rank]["seconds"] < 30, "gloo sees the dead peer's closed connection: no timeout waited"
 
 
+@pytest.mark.slow  # (several seconds: run by .ci/run, out of plain pytest's 3 minutes)
 def test_a_rank_that_dies_before_its_loader_fails_the_others_within_the_jobs_timeout(
     tmp_path: Path, node_cache: Callable[[str, int, int], str],
 ) -> None:

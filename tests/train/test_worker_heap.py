@@ -51,6 +51,7 @@ def test_garbage_alive_when_workers_fork_is_collected_once_the_loader_is_closed(
     assert gc.get_freeze_count() == 0
 
 
+@pytest.mark.slow  # (several seconds: run by .ci/run, out of plain pytest's 3 minutes)
 @pytest.mark.usefixtures("unfrozen")
 def test_each_epoch_left_early_lets_go_of_the_heap_it_froze(synced: Config) -> None:
     with EpochCachedLoader(synced.cache.dir, batch_size=32, num_workers=2, transform=lambda b: b,
