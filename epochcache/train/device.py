@@ -28,12 +28,13 @@ def pin_batch(batch: dict[str, Any]) -> dict[str, Any]:
     ``pin_memory()``: it spreads the copy over every intra-op thread, which then spin between
     batches (on a 16-core H200 host, 68-102 µs of the trainer's CPU per 12 KB sample against 6.6-7.5
     this way, with as many batches per second or more: README, ``benchmarks/device.py``). A tensor already
-    pinned is kept; one numpy cannot view (bfloat16, requiring grad) goes through ``pin_memory()``."""
+    pinned, or not on the CPU, is kept; one numpy cannot view (bfloat16, requiring grad) goes through
+    ``pin_memory()``."""
     return {name: _pinned(v) if isinstance(v, torch.Tensor) else v for name, v in batch.items()}
 
 
 def _pinned(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.is_pinned():
+    if tensor.device.type != "cpu" or tensor.is_pinned():  # (a transform may have put it on the GPU)
         return tensor
     array = tensor_as_numpy(tensor)
     if array is None:
