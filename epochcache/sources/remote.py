@@ -18,7 +18,8 @@ carry paths and causes only, never ``storage_options`` (which may hold credentia
 Pinning (invariant: bytes of one read all come from the version the listing saw):
 
 - S3: the listing records each object's ETag; every GET carries ``If-Match`` with it, so a rewritten
-  object answers 412 instead of bytes of another version cut at the stale size. (ListObjectsV2
+  object answers 412 instead of bytes of another version cut at the stale size. (Of an object listed
+  without one, the ETag its first read was served with pins the reads after it.) (ListObjectsV2
   names no VersionId; the ETag pins versioned buckets as well.) The reply's ETag is compared too
   (without quotes, ``W/`` or case), for stores that ignore ``If-Match``; a store whose ``If-Match``
   refuses its own listing's spelling of an unchanged object's ETag (a HEAD shows it unchanged) is
@@ -44,6 +45,8 @@ import hashlib
 import logging
 import mmap
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, TypeVar, overload
@@ -75,6 +78,9 @@ _MIN_BYTES_PER_S = 64 * 1024
 # Objects refused (403, or another 4xx) before any read of the source succeeded that make it a configuration error
 # (a policy that lets the bucket be listed but no object read), not a few bad objects.
 _DENIED_IS_FATAL = 3
+# Objects listed without an ETag (stores whose listings omit it) whose first reply's ETag is kept to
+# pin the reads after it: the most recently read this many.
+_SERVED_ETAGS = 65536
 
 
 def etag_of(info: dict[str, Any]) -> str | None:
@@ -161,6 +167,8 @@ class RemoteFiles:
         self._etags_are_md5 = True  # until the store shows otherwise (see _s3_read)
         self._if_match = True  # until the store refuses an unchanged object's ETag (see _get_object)
         self._checksum_mode = True  # until the store refuses x-amz-checksum-mode (see _get_object)
+        self._served: OrderedDict[str, str] = OrderedDict()  # see _pin
+        self._served_lock = threading.Lock()
         self._read_any = False  # a read of this source succeeded: a refused object is that object's, not ours
         self._denied: set[str] = set()  # paths refused (403, or another 4xx or a 501) so far
 
@@ -331,8 +339,14 @@ class RemoteFiles:
         serves another version without a word (its reply's ETag names it), and one that ignores or
         mangles a Range serves bytes from elsewhere (its ``Content-Range``, or a whole object, says so)."""
         served = reply.get("ETag")
-        if obj.etag and served and _bare(served) != _bare(obj.etag):
-            raise self._changed(obj, f"its ETag went from {obj.etag} to {served}")
+        pinned = self._pin(obj)
+        if pinned and served and _bare(served) != _bare(pinned):
+            raise self._changed(obj, f"its ETag went from {pinned} to {served}")
+        if obj.etag is None and served:
+            with self._served_lock:
+                self._served[obj.path] = served
+                if len(self._served) > _SERVED_ETAGS:
+                    self._served.popitem(last=False)
         content_range = reply.get("ContentRange")
         match = _CONTENT_RANGE.match(content_range or "")
         if content_range and (match is None or int(match.group(1)) != start):
@@ -355,9 +369,22 @@ class RemoteFiles:
             request["Range"] = f"bytes={start}-{end - 1}"
         elif self._checksum_mode:
             request["ChecksumMode"] = "ENABLED"
-        if obj.etag and self._if_match:
-            request["IfMatch"] = obj.etag
+        pinned = self._pin(obj)
+        if pinned and self._if_match:
+            request["IfMatch"] = pinned
         return request
+
+    def _pin(self, obj: RemoteObject) -> str | None:
+        """The ETag reads of ``obj`` are pinned to: the listing's, or for an object listed without one,
+        the one its first read was served with (so a footer and the units read after it are of one
+        version: an object rewritten since is changed, as with a listed ETag)."""
+        if obj.etag is not None:
+            return obj.etag
+        with self._served_lock:
+            served = self._served.get(obj.path)
+            if served is not None:
+                self._served.move_to_end(obj.path)
+            return served
 
     async def _get_object(self, obj: RemoteObject, request: dict[str, Any]) -> dict[str, Any]:
         """GetObject's reply to ``request``. A 412 to its If-Match on an object a HEAD shows unchanged

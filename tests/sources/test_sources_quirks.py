@@ -321,3 +321,18 @@ def test_checksums_are_asked_for_whole_objects_only_and_a_store_without_them_is_
     assert sum("refuses to send checksums" in r.getMessage() for r in caplog.records) == 1
     asked = [b"x-amz-checksum-mode: enabled" in head.lower() for head in proxy.object_get_heads]
     assert asked == [False, True, False, False], "the range, the refused whole GET, then two without"
+
+
+@pytest.mark.parametrize("if_match", [True, False], ids=["if-match", "store-ignores-if-match"])
+def test_reads_of_an_object_listed_without_an_etag_are_pinned_to_its_first_reply(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], if_match: bool
+) -> None:
+    """A store whose listing names no ETag: the first read's ETag pins the reads after it (a footer
+    and the units read by it), so an object rewritten between them is changed, never read mixed."""
+    proxy = quirky(ignore_if_match=not if_match)
+    remote, listed = _blob(s3, bucket, proxy)
+    obj = RemoteObject(listed.path, listed.size, None)
+    assert remote.fetch(obj, 0, 100) == DATA[:100]
+    s3.pipe(obj.path, DATA[::-1])  # rewritten, the same size
+    with pytest.raises(ObjectMissingError, match="changed since it was listed"):
+        remote.fetch(obj, 100, 200)
