@@ -106,7 +106,7 @@ def timed_epochs(make_epoch: Callable[[], Iterable[dict[str, Any]]], epochs: int
             "epoch_gap_ms": statistics.median(gaps) * 1e3 if gaps else float("nan")}
 
 
-def ceiling(samples: int, device: torch.device, pinned: bool) -> Callable[[], Iterable[dict[str, Any]]]:
+def ceiling(samples: int, pinned: bool) -> Callable[[], Iterable[dict[str, Any]]]:
     """An epoch's worth of batch-sized copies of one tensor made once (pinned on CUDA)."""
     batch = {"image": torch.zeros((BATCH, 3, 64, 64), dtype=torch.uint8, pin_memory=pinned),
              "label": torch.zeros(BATCH, dtype=torch.int64, pin_memory=pinned)}
@@ -117,7 +117,7 @@ def run_rows(cache: Path, epochs: int, device: torch.device, data: InMemory) -> 
     """One round of every row (each loader made and closed within its row)."""
     cuda = device.type == "cuda"
     results: dict[str, dict[str, float]] = {}
-    results["ceiling: pinned tensor to device"] = timed_epochs(ceiling(len(data), device, cuda), epochs, device, True)
+    results["ceiling: pinned tensor to device"] = timed_epochs(ceiling(len(data), cuda), epochs, device, True)
     for workers in (0, 2):
         loader = DataLoader(data, batch_size=BATCH, shuffle=True, pin_memory=cuda, num_workers=workers,
                             persistent_workers=workers > 0, collate_fn=_as_gathered)

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from epochcache.train.device import pinned_empty
+from epochcache.train.device import pinned_copy
 from epochcache.train.wire import from_wire, tensor_as_numpy, to_wire
 
 # Column starts aligned to a cache line, so each gather writes whole lines of its own column.
@@ -175,11 +175,7 @@ class SlotRing:
 
 def _copied(rows: np.ndarray, pinned: bool) -> torch.Tensor:
     """A tensor of its own holding ``rows`` (a slot's): one copy, into pinned memory when ``pinned``."""
-    if not pinned:
-        return torch.from_numpy(rows.copy())
-    out = pinned_empty(rows.shape, rows.dtype)
-    np.copyto(out.numpy(), rows)
-    return out
+    return pinned_copy(rows) if pinned else torch.from_numpy(rows.copy())
 
 
 def layout_of(batch: Any) -> Layout:
