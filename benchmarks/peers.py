@@ -20,7 +20,7 @@ stores the images as a fixed-size list column, which the loader gathers into the
 Peers use a torch ``DataLoader`` (LitData's and Streaming's own subclasses) with ``--workers`` (2)
 persistent workers, shuffling on (WebDataset: shard shuffle plus a 1,000-sample buffer). epochcache
 runs its loader with a background batch thread (``thread``) and with ``--workers`` worker processes,
-and once more on its thread with ``loader.max_mapped_bytes`` set (``--max-mapped-mb``, 32: the trainer
+and once more on its thread with ``loader.max_mapped_bytes`` set (``--max-mapped-mb``, 8: the trainer
 lets its mapped shard pages go past it, see README).
 Every batch is checked (shape, dtype, index stamp against label) and every epoch must deliver each
 sample exactly once; a system that does not is marked ``wrong`` in the table.
@@ -432,8 +432,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                              "hung at 64)")
     parser.add_argument("--budget-mb", type=int, default=None,
                         help="local cache budget, MiB (default: 1.25x the samples' bytes, room for one copy)")
-    parser.add_argument("--max-mapped-mb", type=int, default=32,
-                        help="epochcache's loader.max_mapped_bytes in the row that sets it, MiB (default 32; "
+    parser.add_argument("--max-mapped-mb", type=int, default=8,
+                        help="epochcache's loader.max_mapped_bytes in the row that sets it, MiB (default 8; "
                              "0 leaves that row out)")
     parser.add_argument("--systems", default=",".join(PACKAGES), help="comma-separated (default: all)")
     parser.add_argument("--dir", default=None, help="work folder for the caches (default: the temp folder)")

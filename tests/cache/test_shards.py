@@ -187,3 +187,57 @@ def test_record_meta_missing_is_corrupt(tmp_path: Path) -> None:
     path, _ = write(make_table(3), tmp_path)
     with pytest.raises(ShardCorruptError, match="no valid epochcache record metadata"):
         read_record_meta(path)
+
+
+def test_chunked_writes_hand_over_every_byte_in_order_in_bounded_pieces() -> None:
+    pieces: list[bytes] = []
+
+    def short_write(piece: memoryview) -> int:  # takes at most 40 KB a call, as write(2) may
+        taken = bytes(piece[:40_000])
+        pieces.append(taken)
+        return len(taken)
+
+    data = bytes(range(256)) * 1000  # 256,000 bytes: 3 full chunks and a part
+    sink = shards.ChunkedWrites(short_write)
+    assert sink.write(pa.py_buffer(data)) == len(data)
+    assert sink.write(b"tail") == 4
+    assert b"".join(pieces) == data + b"tail"
+    assert max(len(p) for p in pieces) <= shards.WRITE_CHUNK
+    assert len(pieces) > len(data) // shards.WRITE_CHUNK
+
+
+def _resident_kib(path: Path) -> int:
+    """This process's resident KiB in mappings of ``path`` (Linux /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:
+                inside = line.rstrip().endswith(str(path))
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+def _filesystem(path: Path) -> str:
+    """The type of the filesystem holding ``path`` (Linux /proc/self/mounts: the longest mount point above it)."""
+    with open("/proc/self/mounts") as mounts:
+        points = [(fields[1], fields[2]) for fields in map(str.split, mounts)]
+    return max((p for p in points if path.is_relative_to(p[0])), key=lambda p: len(p[0]))[1]
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="measures mappings through Linux's /proc")
+def test_reading_one_row_of_a_fresh_shard_maps_little_of_it(tmp_path: Path) -> None:
+    if _filesystem(tmp_path) == "tmpfs":
+        pytest.skip("tmpfs sizes its pages by its huge-page policy, not by the writes")
+    # The page cache keeps a freshly written file in folios as large as its writes allowed (up to
+    # 2 MiB on Linux 6.x), and a reader's first touch maps a whole folio: one 12 KB row read, 2 MiB
+    # counted in the trainer's RSS. Shards are written in pieces, so a touch maps ~64 KiB.
+    rows = 2048
+    table = pa.table({"x": pa.FixedSizeBinaryArray.from_buffers(
+        pa.binary(12288), rows, [None, pa.py_buffer(bytes(range(256)) * (48 * rows))])})
+    path, _ = write(table, tmp_path)
+    column = open_shard(path).column("x").chunk(0)
+    touched = range(100, rows, 256)
+    assert [column[i].as_py()[:2] for i in touched] == [bytes([0, 1])] * len(touched)
+    assert 0 < _resident_kib(path) <= 256 * len(touched)
