@@ -24,6 +24,9 @@ the whole object); ``range_quirk="shift"`` asks the store for the range one byte
 (``/<bucket>/<key>``, as sent) whose GETs answer ``deny_status`` (403) with the S3 error code ``deny_code``;
 ``listing_etag`` rewrites each ``<ETag>`` value of a listing (its bytes, quotes included, as the XML
 holds them), as stores whose listings spell ETags otherwise than their GET replies do;
+``listing_body`` rewrites the whole body (XML) of each listing reply, as stores that leave out the
+continuation token of a truncated page; ``listing_ignores`` holds query parameters dropped from listing
+requests (``continuation-token``, ``start-after``), as a store that answers the first page again;
 ``reply_etag`` respells the ``ETag`` header of object GET replies (upper case, say); ``refuse_listing``
 (a status and an S3 error code) answers every listing so, as a store refusing the region or signature;
 ``refuse_checksum_mode`` answers 501 NotImplemented to an object GET that asks for checksums
@@ -40,6 +43,7 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from functools import partial
 from urllib.parse import urlparse
 
 _ERROR = b"<?xml version='1.0' encoding='UTF-8'?>\n<Error><Code>%s</Code><Message>%s</Message></Error>"
@@ -57,14 +61,17 @@ class FaultProxy:
                  deny_code: str = "AccessDenied", listing_etag: Callable[[bytes], bytes] | None = None,
                  drip_s: float = 0.2, deny_status: int = 403, throttle: tuple[int, str] = (503, "SlowDown"),
                  refuse_checksum_mode: bool = False, reply_etag: Callable[[bytes], bytes] | None = None,
-                 refuse_listing: tuple[int, str] | None = None) -> None:
+                 refuse_listing: tuple[int, str] | None = None, listing_body: Callable[[bytes], bytes] | None = None,
+                 listing_ignores: Sequence[str] = ()) -> None:
         parsed = urlparse(upstream)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rate, self.kinds, self.delay_s, self.flip_rate = rate, tuple(kinds), delay_s, flip_rate
         self.ignore_if_match, self.disguise_etags = ignore_if_match, disguise_etags
         self.range_quirk, self.deny, self.listing_etag = range_quirk, {p.encode() for p in deny}, listing_etag
         self.drip_s, self.refuse_checksum_mode, self.reply_etag = drip_s, refuse_checksum_mode, reply_etag
+        self.listing_body, self.listing_ignores = listing_body, tuple(name.encode() for name in listing_ignores)
         self.object_get_heads: list[bytes] = []
+        self.listings = 0  # listing requests (a GET with a query string)
         self._listing_refused = None if refuse_listing is None else _reply(
             refuse_listing[0], _ERROR % (refuse_listing[1].encode(), b"The request is refused"))
         self._unsupported = _reply(501, _ERROR % (b"NotImplemented", b"A header you provided implies functionality "
@@ -135,10 +142,12 @@ class FaultProxy:
             return
         method, target = head.split(b" ", 2)[:2]
         is_object_get = method == b"GET" and b"?" not in target
+        is_listing = method == b"GET" and b"?" in target
         self.object_gets += is_object_get
+        self.listings += is_listing
         if is_object_get:
             self.object_get_heads.append(head)
-        if self._listing_refused is not None and method == b"GET" and b"?" in target:
+        if self._listing_refused is not None and is_listing:
             self.faults["listing-refused"] += 1
             writer.write(self._listing_refused)
             await writer.drain()
@@ -159,6 +168,8 @@ class FaultProxy:
         if rewrite is not None:
             self.faults["rewrite"] += 1
             await asyncio.get_running_loop().run_in_executor(None, rewrite)
+        if is_listing and self.listing_ignores:
+            head = self._drop_query(head, target)
         if self.ignore_if_match:
             head = b"\r\n".join(line for line in head.split(b"\r\n") if not line.lower().startswith(b"if-match:"))
         if self.disguise_etags:
@@ -166,8 +177,10 @@ class FaultProxy:
         reply = await self._forward(head, body)
         if self.disguise_etags:
             reply = self._disguise(reply, listing=not is_object_get)
-        if self.listing_etag is not None and method == b"GET" and b"?" in target:  # a listing
-            reply = self._respell(reply, self.listing_etag)
+        if self.listing_etag is not None and is_listing:
+            reply = _with_body(reply, partial(_respell, respell=self.listing_etag))
+        if self.listing_body is not None and is_listing:
+            reply = _with_body(reply, self.listing_body)
         if is_object_get and self.reply_etag is not None:
             split = reply.index(b"\r\n\r\n") + 4
             respell = self.reply_etag
@@ -220,13 +233,13 @@ class FaultProxy:
         body = _ETAG_HEX.sub(disguise, reply[split:]) if listing else reply[split:]
         return head + body
 
-    @staticmethod
-    def _respell(reply: bytes, respell: Callable[[bytes], bytes]) -> bytes:
-        """``reply`` with each ``<ETag>`` value of its body respelled, its Content-Length set anew."""
-        split = reply.index(b"\r\n\r\n") + 4
-        body = re.sub(rb"(?<=<ETag>)[^<]*(?=</ETag>)", lambda m: respell(m.group(0)), reply[split:])
-        head = re.sub(rb"(?im)^content-length:.*$", b"Content-Length: %d" % len(body), reply[:split])
-        return head + body
+    def _drop_query(self, head: bytes, target: bytes) -> bytes:
+        """``head`` with the query parameters named in ``listing_ignores`` taken out of its target."""
+        path, _, query = target.partition(b"?")
+        kept = [item for item in query.split(b"&") if item.partition(b"=")[0] not in self.listing_ignores]
+        if len(kept) < query.count(b"&") + 1:
+            self.faults["listing-ignored"] += 1
+        return head.replace(target, path + b"?" + b"&".join(kept), 1)
 
     def _flip(self, reply: bytes) -> bytes:
         """``reply`` with one random bit of its body flipped, if it has a body and succeeded."""
@@ -245,6 +258,19 @@ class FaultProxy:
         upstream_writer.close()
         split = reply.index(b"\r\n\r\n") + 4
         return _with_close(reply[:split]) + reply[split:]
+
+
+def _respell(body: bytes, respell: Callable[[bytes], bytes]) -> bytes:
+    """A listing's XML ``body`` with each ``<ETag>`` value respelled."""
+    return re.sub(rb"(?<=<ETag>)[^<]*(?=</ETag>)", lambda m: respell(m.group(0)), body)
+
+
+def _with_body(reply: bytes, rewrite: Callable[[bytes], bytes]) -> bytes:
+    """``reply`` with its body rewritten, its Content-Length set anew."""
+    split = reply.index(b"\r\n\r\n") + 4
+    body = rewrite(reply[split:])
+    head = re.sub(rb"(?im)^content-length:.*$", b"Content-Length: %d" % len(body), reply[:split])
+    return head + body
 
 
 def _content_length(head: bytes) -> int:

@@ -11,16 +11,17 @@ missing credentials, no matching file) are a :class:`SourceError` naming the URL
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Sequence
+import itertools
+import logging
+from collections.abc import Iterator, Sequence
 from typing import Any
-
-import fsspec
-import fsspec.asyn
 
 from epochcache.errors import SourceError
 from epochcache.sources.base import RemoteObject
 from epochcache.sources.remote import RemoteFiles, credentials_error, etag_of, refused
 from epochcache.sources.retry import describe
+
+log = logging.getLogger(__name__)
 
 PAGE = 1000  # objects per listing page: S3's own page size
 
@@ -89,24 +90,38 @@ def _s3_objects(remote: RemoteFiles, page_size: int) -> Iterator[list[RemoteObje
                 yield [_one(remote, info)]
 
 def _s3_pages(remote: RemoteFiles, page_size: int) -> Iterator[list[RemoteObject]]:
-    """s3fs's paginated ListObjectsV2 (its ``_iterdir``), ``page_size`` objects at a time."""
+    """ListObjectsV2 under the URL's prefix, up to ``page_size`` keys a page, in the store's order.
+
+    Each page is asked for with the last one's continuation token; a truncated page without one
+    (some S3-compatible stores leave it out) is continued after its last key (``StartAfter``), and
+    then keys not after it are dropped. A store whose listing stops advancing (a page truncated
+    with nothing to continue from, a token answered with itself) is a :class:`SourceError`, never
+    an endless listing."""
     bucket, _, key = remote.root.partition("/")
-    prefix = key.rstrip("/") + "/" if key else ""
-    entries = remote.fs._iterdir(bucket, delimiter="", prefix=prefix)
-    try:
-        while page := fsspec.asyn.sync(remote.fs.loop, _take, entries, page_size):
-            # A key ending in "/" is a folder marker (the S3 console makes them), never data.
-            yield [RemoteObject(e["name"], int(e["size"]), etag_of(e)) for e in page
-                   if e.get("type") == "file" and not e["name"].endswith("/")]
-    finally:
-        fsspec.asyn.sync(remote.fs.loop, entries.aclose)
-
-
-async def _take(entries: AsyncIterator[dict[str, Any]], count: int) -> list[dict[str, Any]]:
-    """Up to ``count`` next items of an async iterator (fewer only at its end)."""
-    taken: list[dict[str, Any]] = []
-    async for entry in entries:
-        taken.append(entry)
-        if len(taken) == count:
-            break
-    return taken
+    request: dict[str, Any] = {"Bucket": bucket, "Prefix": key.rstrip("/") + "/" if key else "", "MaxKeys": page_size}
+    for number in itertools.count(1):
+        reply = remote.fs.call_s3("list_objects_v2", **request)
+        after = request.get("StartAfter")
+        entries = [e for e in reply.get("Contents", []) if after is None or e["Key"] > after]
+        # A key ending in "/" is a folder marker (the S3 console makes them), never data.
+        yield [RemoteObject(f"{bucket}/{e['Key']}", int(e["Size"]), etag_of(e))
+               for e in entries if not e["Key"].endswith("/")]
+        if not reply.get("IsTruncated"):
+            return
+        token = reply.get("NextContinuationToken")
+        if token and token != request.get("ContinuationToken"):
+            request.pop("StartAfter", None)
+            request["ContinuationToken"] = token
+        elif entries and not token:
+            if after is None:
+                log.warning("%s: the store ends a truncated listing page without a continuation token; "
+                            "listing on after each page's last key", remote.url)
+            request.pop("ContinuationToken", None)
+            request["StartAfter"] = max(e["Key"] for e in entries)
+        else:
+            why = "the continuation token it was asked with" if token else "no new key and no continuation token"
+            raise SourceError(
+                f"cannot list {remote.url}: page {number} of the listing is truncated but gives {why}, so the "
+                "listing does not advance: the store's ListObjectsV2 is not S3-compatible (check source.url and "
+                "the endpoint in source.storage_options)"
+            )

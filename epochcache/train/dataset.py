@@ -97,8 +97,9 @@ class ShardSetDataset(Dataset[Batch]):
         """``batch``, once the mapped shards' pages were let go if this process's mapped bytes grew past
         ``max_mapped_bytes`` (:meth:`ShardMaps.trim`): the last step of a batch thread's job, after
         the transforms and pinning. (Building a batch trims before it reads too.) Without it the pages
-        a batch and its transform touched, 2 MiB per row read where the page cache holds a freshly
-        written shard in large folios, stay mapped until the next batch is built."""
+        a batch and its transform touched (the page folio around each row: 64 KiB on shards the
+        daemon wrote, :data:`epochcache.cache.shards.WRITE_CHUNK`) stay mapped until the next batch
+        is built."""
         self._shards.trim()
         return batch
 

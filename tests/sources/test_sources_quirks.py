@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from epochcache.sources import ObjectSource, ParquetSource
 from epochcache.sources.base import RemoteObject
 from epochcache.sources.remote import RemoteFiles, blank_image
 from epochcache.sources.retry import RangeMismatchError, is_transient, single_attempt_options
+from epochcache.sources.scan import scan
 
 DATA = bytes(range(256)) * 64  # 16 KiB, no two neighbouring bytes equal: a shifted range reads differently
 
@@ -336,3 +338,38 @@ def test_reads_of_an_object_listed_without_an_etag_are_pinned_to_its_first_reply
     s3.pipe(obj.path, DATA[::-1])  # rewritten, the same size
     with pytest.raises(ObjectMissingError, match="changed since it was listed"):
         remote.fetch(obj, 100, 200)
+
+
+def _strip_tokens(body: bytes) -> bytes:
+    return re.sub(rb"<NextContinuationToken>[^<]*</NextContinuationToken>", b"", body)
+
+
+def _listed(s3: Any, bucket: str, proxy: FaultProxy, name: str, objects: int = 7, page_size: int = 3) -> list[str]:
+    """The paths ``scan`` lists, ``page_size`` a page through ``proxy``, under ``objects`` new ones."""
+    for i in range(objects):
+        s3.pipe(f"{bucket}/{name}/k{i}.bin", b"x")
+    remote = RemoteFiles(f"s3://{bucket}/{name}", _options(f"s3://{bucket}/{name}", proxy))
+    return [obj.path for page in scan(remote, [".bin"], "blob", page_size=page_size) for obj in page]
+
+
+def test_a_truncated_listing_page_without_a_continuation_token_is_listed_on_after_its_last_key(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Some stores leave NextContinuationToken out of a truncated page (s3fs's own pager then fails
+    with a KeyError): the listing goes on with StartAfter, every object once, in order."""
+    proxy = quirky(listing_body=_strip_tokens)
+    with caplog.at_level(logging.WARNING):
+        assert _listed(s3, bucket, proxy, "notoken") == [f"{bucket}/notoken/k{i}.bin" for i in range(7)]
+    assert proxy.listings == 3
+    assert "without a continuation token" in caplog.text
+
+
+@pytest.mark.parametrize("token", [True, False], ids=["same-token", "no-token"])
+def test_a_store_that_answers_the_first_page_again_is_a_source_error_not_an_endless_listing(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], token: bool
+) -> None:
+    proxy = quirky(listing_ignores=("continuation-token", "start-after"), listing_body=None if token else _strip_tokens)
+    with pytest.raises(SourceError, match=r"/again: page 2 of the listing is truncated but gives .* does not advance"):
+        _listed(s3, bucket, proxy, "again")
+    assert proxy.listings == 2
+    assert proxy.faults["listing-ignored"] == 1
