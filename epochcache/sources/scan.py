@@ -90,38 +90,48 @@ def _s3_objects(remote: RemoteFiles, page_size: int) -> Iterator[list[RemoteObje
                 yield [_one(remote, info)]
 
 def _s3_pages(remote: RemoteFiles, page_size: int) -> Iterator[list[RemoteObject]]:
-    """ListObjectsV2 under the URL's prefix, up to ``page_size`` keys a page, in the store's order.
+    """ListObjects under the URL's prefix, ``page_size`` keys asked for a page (a page of more is cut).
 
-    Each page is asked for with the last one's continuation token; a truncated page without one
-    (some S3-compatible stores leave it out) is continued after its last key (``StartAfter``), and
-    then keys not after it are dropped. A store whose listing stops advancing (a page truncated
-    with nothing to continue from, a token answered with itself) is a :class:`SourceError`, never
-    an endless listing."""
+    ListObjectsV2, each page asked for with the last one's continuation token. A truncated page
+    without one (stores that know only ListObjects V1 answer V2 requests so) is continued by V1 from
+    its last key (``Marker``, which every store honours), dropping keys not after it. S3 lists keys
+    in order, so a truncated page none of whose keys comes after every key listed before it, or a
+    continuation token given twice, means the listing does not advance: a :class:`SourceError`,
+    never an endless listing that hands out the same objects again."""
     bucket, _, key = remote.root.partition("/")
+    method = "list_objects_v2"
     request: dict[str, Any] = {"Bucket": bucket, "Prefix": key.rstrip("/") + "/" if key else "", "MaxKeys": page_size}
+    tokens: set[str] = set()
+    last = ""  # the greatest key listed so far
     for number in itertools.count(1):
-        reply = remote.fs.call_s3("list_objects_v2", **request)
-        after = request.get("StartAfter")
-        entries = [e for e in reply.get("Contents", []) if after is None or e["Key"] > after]
-        # A key ending in "/" is a folder marker (the S3 console makes them), never data.
-        yield [RemoteObject(f"{bucket}/{e['Key']}", int(e["Size"]), etag_of(e))
-               for e in entries if not e["Key"].endswith("/")]
-        if not reply.get("IsTruncated"):
-            return
-        token = reply.get("NextContinuationToken")
-        if token and token != request.get("ContinuationToken"):
-            request.pop("StartAfter", None)
-            request["ContinuationToken"] = token
-        elif entries and not token:
-            if after is None:
-                log.warning("%s: the store ends a truncated listing page without a continuation token; "
-                            "listing on after each page's last key", remote.url)
-            request.pop("ContinuationToken", None)
-            request["StartAfter"] = max(e["Key"] for e in entries)
-        else:
-            why = "the continuation token it was asked with" if token else "no new key and no continuation token"
+        reply = remote.fs.call_s3(method, **request)
+        entries = [e for e in reply.get("Contents", []) if method == "list_objects_v2" or e["Key"] > last]
+        truncated = bool(reply.get("IsTruncated"))
+        token = reply.get("NextContinuationToken") if method == "list_objects_v2" else None
+        stalled = bool(reply.get("Contents")) and max(e["Key"] for e in reply["Contents"]) <= last
+        if truncated and (stalled or token in tokens or not (token or entries)):
+            why = ("no key after those listed before it" if stalled
+                   else "a continuation token it gave before" if token else "no key and no continuation token")
             raise SourceError(
                 f"cannot list {remote.url}: page {number} of the listing is truncated but gives {why}, so the "
-                "listing does not advance: the store's ListObjectsV2 is not S3-compatible (check source.url and "
+                "listing does not advance: the store's ListObjects is not S3-compatible (check source.url and "
                 "the endpoint in source.storage_options)"
             )
+        last = max([last, *(e["Key"] for e in entries)])
+        # A key ending in "/" is a folder marker (the S3 console makes them), never data.
+        objects = [RemoteObject(f"{bucket}/{e['Key']}", int(e["Size"]), etag_of(e))
+                   for e in entries if not e["Key"].endswith("/")]
+        for start in range(0, len(objects), page_size):
+            yield objects[start:start + page_size]
+        if not truncated:
+            return
+        if token:
+            tokens.add(token)
+            request["ContinuationToken"] = token
+        else:
+            if method == "list_objects_v2":
+                log.warning("%s: the store ends a truncated listing page without a continuation token; "
+                            "listing on with ListObjects V1 after each page's last key", remote.url)
+                method = "list_objects"
+                request.pop("ContinuationToken", None)
+            request["Marker"] = last

@@ -189,21 +189,22 @@ def test_record_meta_missing_is_corrupt(tmp_path: Path) -> None:
         read_record_meta(path)
 
 
-def test_chunked_writes_hand_over_every_byte_in_order_in_bounded_pieces() -> None:
-    pieces: list[bytes] = []
+@pytest.mark.parametrize("most", [40_000, None], ids=["short-writes", "whole-writes"])
+def test_chunked_writes_hand_over_every_byte_in_order_in_bounded_pieces(most: int | None) -> None:
+    offered: list[int] = []
+    written: list[bytes] = []
 
-    def short_write(piece: memoryview) -> int:  # takes at most 40 KB a call, as write(2) may
-        taken = bytes(piece[:40_000])
-        pieces.append(taken)
-        return len(taken)
+    def write(piece: memoryview) -> int:  # takes at most ``most`` bytes a call, as write(2) may
+        offered.append(len(piece))
+        written.append(bytes(piece[:most]))
+        return len(written[-1])
 
     data = bytes(range(256)) * 1000  # 256,000 bytes: 3 full chunks and a part
-    sink = shards.ChunkedWrites(short_write)
+    sink = shards.ChunkedWrites(write)
     assert sink.write(pa.py_buffer(data)) == len(data)
     assert sink.write(b"tail") == 4
-    assert b"".join(pieces) == data + b"tail"
-    assert max(len(p) for p in pieces) <= shards.WRITE_CHUNK
-    assert len(pieces) > len(data) // shards.WRITE_CHUNK
+    assert b"".join(written) == data + b"tail"
+    assert max(offered) == shards.WRITE_CHUNK
 
 
 def _resident_kib(path: Path) -> int:

@@ -5,6 +5,7 @@ is the bytes asked for or an error naming the object; never another range's byte
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import re
 import time
@@ -344,32 +345,50 @@ def _strip_tokens(body: bytes) -> bytes:
     return re.sub(rb"<NextContinuationToken>[^<]*</NextContinuationToken>", b"", body)
 
 
-def _listed(s3: Any, bucket: str, proxy: FaultProxy, name: str, objects: int = 7, page_size: int = 3) -> list[str]:
-    """The paths ``scan`` lists, ``page_size`` a page through ``proxy``, under ``objects`` new ones."""
+def _fresh_tokens() -> Callable[[bytes], bytes]:
+    """A listing rewrite giving every truncated page a continuation token never given before."""
+    counter = itertools.count()
+    return lambda body: re.sub(rb"(?<=<NextContinuationToken>)[^<]*", lambda m: b"fresh%d" % next(counter), body)
+
+
+def _paged(s3: Any, bucket: str, proxy: FaultProxy, name: str, objects: int = 7) -> Iterator[list[str]]:
+    """The pages of paths ``scan`` lists, 3 keys a page through ``proxy``, under ``objects`` new ones."""
     for i in range(objects):
         s3.pipe(f"{bucket}/{name}/k{i}.bin", b"x")
     remote = RemoteFiles(f"s3://{bucket}/{name}", _options(f"s3://{bucket}/{name}", proxy))
-    return [obj.path for page in scan(remote, [".bin"], "blob", page_size=page_size) for obj in page]
+    return ([obj.path for obj in page] for page in scan(remote, [".bin"], "blob", page_size=3))
 
 
-def test_a_truncated_listing_page_without_a_continuation_token_is_listed_on_after_its_last_key(
-    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("quirk", [{"listing_body": _strip_tokens}, {"listing_ignores": ("list-type",)}],
+                         ids=["no-token", "v1-only"])
+def test_a_truncated_listing_page_without_a_continuation_token_is_listed_on_by_v1_after_its_last_key(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], caplog: pytest.LogCaptureFixture, quirk: dict[str, Any]
 ) -> None:
-    """Some stores leave NextContinuationToken out of a truncated page (s3fs's own pager then fails
-    with a KeyError): the listing goes on with StartAfter, every object once, in order."""
-    proxy = quirky(listing_body=_strip_tokens)
+    """Some stores leave NextContinuationToken out of a truncated page, and a store that knows only
+    ListObjects V1 answers V2 with a V1 page (s3fs's own pager then fails with a KeyError): the
+    listing goes on by V1 from the page's last key, every object once, in order."""
+    proxy = quirky(**quirk)
     with caplog.at_level(logging.WARNING):
-        assert _listed(s3, bucket, proxy, "notoken") == [f"{bucket}/notoken/k{i}.bin" for i in range(7)]
+        listed = [path for page in _paged(s3, bucket, proxy, "notoken") for path in page]
+    assert listed == [f"{bucket}/notoken/k{i}.bin" for i in range(7)]
     assert proxy.listings == 3
     assert "without a continuation token" in caplog.text
 
 
-@pytest.mark.parametrize("token", [True, False], ids=["same-token", "no-token"])
+@pytest.mark.parametrize("tokens", ["same", "fresh", "none"])
 def test_a_store_that_answers_the_first_page_again_is_a_source_error_not_an_endless_listing(
-    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], token: bool
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], tokens: str
 ) -> None:
-    proxy = quirky(listing_ignores=("continuation-token", "start-after"), listing_body=None if token else _strip_tokens)
-    with pytest.raises(SourceError, match=r"/again: page 2 of the listing is truncated but gives .* does not advance"):
-        _listed(s3, bucket, proxy, "again")
+    """Whatever token it gives (its first again, a new one each time, none), a store that ignores
+    how a listing continues fails at its second page, before any object is listed twice."""
+    body = {"same": None, "fresh": _fresh_tokens(), "none": _strip_tokens}[tokens]
+    proxy = quirky(listing_ignores=("continuation-token", "start-after", "marker"), listing_body=body)
+    listed: list[str] = []
+    remote_pages = _paged(s3, bucket, proxy, "again")
+    with pytest.raises(SourceError, match=r"/again: page 2 of the listing is truncated but gives no key after those "
+                                          r"listed before it, so the listing does not advance"):
+        for page in remote_pages:
+            listed += page
+    assert listed == [f"{bucket}/again/k{i}.bin" for i in range(3)]
     assert proxy.listings == 2
     assert proxy.faults["listing-ignored"] == 1
