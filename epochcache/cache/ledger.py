@@ -42,9 +42,10 @@ from epochcache.cache.ledger_db import Counters, LedgerDatabase, delete_shards, 
 from epochcache.cache.ledger_leases import Leases, end_ended_leases, live_leases, unleased_retiring
 from epochcache.cache.ledger_quarantine import QuarantineTable
 from epochcache.cache.ledger_records import Lease, Quarantined, ShardRecord, Stage, Usage, by_age, take_until
-from epochcache.cache.ledger_schema import DB_NAME, LEGACY_DB_NAME, OPEN_PATIENCE_S, Connect, connect
+from epochcache.cache.ledger_schema import DB_NAME, LEGACY_DB_NAME, OPEN_PATIENCE_S, Connect, connect, open_elsewhere
 from epochcache.cache.ledger_uses import COLUMNS, FOLD, choose_by_index, clock, record
 from epochcache.cache.shard_files import whole_shards
+from epochcache.errors import CacheError
 
 __all__ = ["LEDGER_RESERVE", "OPEN_PATIENCE_S", "PUBLISH_GROWTH", "Chooser", "Lease", "Ledger", "Quarantined",
            "ShardRecord", "Stage", "Usage", "by_age", "take_until"]
@@ -100,9 +101,17 @@ class Ledger:
     def rebuild(cls, directory: str | Path, connect: Connect = connect, progress: bool | None = False) -> Ledger:
         """A new ledger built from the shard files next to ``directory``; the old database (damaged, or
         of another version) is deleted: its bytes are not charged to the budget, and every shard's
-        record is in its file. Hold the cache's lock. Reads every file (``progress``: a bar, see
-        :mod:`epochcache.cache.progress`)."""
+        record is in its file. Hold the cache's lock, with no connection of this process open on it.
+        Reads every file (``progress``: a bar, see :mod:`epochcache.cache.progress`). Raises
+        :class:`CacheError`, deleting nothing, while another process has the database open."""
         folder = Path(directory)
+        if open_elsewhere(folder / DB_NAME):
+            # Deleted under them, they would go on with the old database: their leases unseen by the
+            # new one (so a daemon could evict what they read), and their epochs blind to new shards.
+            raise CacheError(
+                f"the ledger {folder / DB_NAME} is open in another process (a trainer, `epochcache status`): "
+                "stop every process using this cache, then run `epochcache verify --fix` again"
+            )
         for name in (DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", LEGACY_DB_NAME):
             (folder / name).unlink(missing_ok=True)
         ledger = cls(folder, connect)

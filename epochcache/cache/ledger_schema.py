@@ -31,6 +31,8 @@ running them brings a version-1 or -2 ledger to this one.
 
 from __future__ import annotations
 
+import errno
+import os
 import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,6 +51,11 @@ LEGACY_DB_NAME = "cache.db"  # the diskcache ledger of epochcache before the sch
 OPEN_PATIENCE_S = 60.0
 
 Connect = Callable[[Path], sqlite3.Connection]
+
+# The "dead-man switch" byte of a WAL database's -shm file (SQLite's os_unix.c: UNIX_SHM_DMS =
+# (22 + SQLITE_SHM_NLOCK) * 4 + SQLITE_SHM_NLOCK): every process with a connection open holds a
+# shared POSIX lock on it for as long as the connection lives.
+_SHM_DMS_BYTE = 128
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS shards(
@@ -124,6 +131,32 @@ def connect(path: Path) -> sqlite3.Connection:
     con.execute("PRAGMA journal_size_limit=131072")
     con.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable but for the last commits at power loss
     return con
+
+
+def open_elsewhere(path: Path) -> bool:
+    """Whether another process has the WAL database at ``path`` open: a lock this process cannot take
+    on its -shm file's dead-man-switch byte (the lock SQLite holds for every open connection). Call
+    it with no connection of this process open on ``path``: closing a descriptor drops every POSIX
+    lock this process holds on that file, SQLite's included. False without POSIX locks (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        return False
+    try:
+        fd = os.open(path.with_name(path.name + "-shm"), os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _SHM_DMS_BYTE)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EAGAIN):
+            return True
+        raise
+    else:
+        fcntl.lockf(fd, fcntl.LOCK_UN, 1, _SHM_DMS_BYTE)
+        return False
+    finally:
+        os.close(fd)
 
 
 def open_database(path: Path, factory: Connect) -> sqlite3.Connection:

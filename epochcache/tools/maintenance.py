@@ -30,7 +30,8 @@ def verify_cache(config: Config, fix: bool = False, progress: bool | None = Fals
     With ``fix``, an unreadable ledger is first rebuilt from the shard files (each carries its record).
     Both read every byte of the cache: ``progress`` shows bars (:mod:`epochcache.cache.progress`).
     Returns what was found and whether a daemon was running. Raises :class:`DaemonRunningError` if
-    ``fix`` is asked while a daemon runs, :class:`CacheError` if ``cache.dir`` holds no cache.
+    ``fix`` is asked while a daemon runs, :class:`CacheError` if ``cache.dir`` holds no cache or an
+    unreadable ledger must be rebuilt while another process has it open.
     """
     if fix:
         layout = CacheLayout.create(existing_layout(config, ledger_lost=True).root)

@@ -26,7 +26,7 @@ from epochcache.cache.ledger_schema import DB_NAME, LEGACY_DB_NAME, connect
 from epochcache.cache.publisher import Publisher
 from epochcache.cache.shards import ShardMeta, schema_fingerprint, with_record_meta, write_shard
 from epochcache.config import CacheConfig
-from epochcache.errors import LedgerError, LedgerFullError
+from epochcache.errors import CacheError, LedgerError, LedgerFullError
 from epochcache.tools.maintenance import _whole_ledger
 
 
@@ -271,3 +271,26 @@ def test_a_rebuild_reads_each_file_once_and_shows_its_progress(
     assert "reading shard files" in shown and "3/3" in shown
     Ledger.rebuild(layout.ledger).close()
     assert capsys.readouterr().err == ""
+
+
+def test_a_rebuild_refuses_while_another_process_has_the_ledger_open(layout: CacheLayout) -> None:
+    """Deleted under a running trainer, the old database would live on in it: its leases unseen by the
+    rebuilt one (a daemon could evict what it reads). The rebuild waits for every other user to go."""
+    records = write_shards(layout, 2)
+    Ledger(layout.ledger).close()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from epochcache.cache.ledger import Ledger; ledger = Ledger(sys.argv[1]); "
+         "ledger.shards(); print('open', flush=True); sys.stdin.read()", str(layout.ledger)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "open\n"
+        database = layout.ledger / DB_NAME
+        before = database.stat().st_ino
+        with pytest.raises(CacheError, match=r"open in another process .* stop every process using this cache"):
+            Ledger.rebuild(layout.ledger)
+        assert database.stat().st_ino == before, "nothing was deleted"
+    finally:
+        holder.communicate("", timeout=30)
+    ledger = Ledger.rebuild(layout.ledger)
+    assert ledger.shards() == records
+    ledger.close()
