@@ -13,7 +13,7 @@ import pytest
 
 PEERS = Path(__file__).resolve().parents[2] / "benchmarks" / "peers.py"
 EPOCHCACHE_ROWS = {"epochcache thread, bytes", "epochcache thread, tensor", "epochcache 2 workers, bytes",
-                   "epochcache thread, bytes, maps<=32M"}
+                   "epochcache thread, bytes, maps<=8M"}
 
 
 def _peers(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
