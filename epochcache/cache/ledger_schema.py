@@ -32,6 +32,7 @@ running them brings a version-1 or -2 ledger to this one.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import sqlite3
 from collections.abc import Callable, Iterator
@@ -137,11 +138,7 @@ def open_elsewhere(path: Path) -> bool:
     """Whether another process has the WAL database at ``path`` open: a lock this process cannot take
     on its -shm file's dead-man-switch byte (the lock SQLite holds for every open connection). Call
     it with no connection of this process open on ``path``: closing a descriptor drops every POSIX
-    lock this process holds on that file, SQLite's included. False without POSIX locks (Windows)."""
-    try:
-        import fcntl
-    except ImportError:
-        return False
+    lock this process holds on that file, SQLite's included."""
     try:
         fd = os.open(path.with_name(path.name + "-shm"), os.O_RDWR)
     except FileNotFoundError:
