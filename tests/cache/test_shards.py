@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -223,7 +224,9 @@ def _resident_kib(path: Path) -> int:
 def _filesystem(path: Path) -> str:
     """The type of the filesystem holding ``path`` (Linux /proc/self/mounts: the longest mount point above it)."""
     with open("/proc/self/mounts") as mounts:
-        points = [(fields[1], fields[2]) for fields in map(str.split, mounts)]
+        # (the kernel writes a space in a mount point as \040, a tab as \011 and so on)
+        points = [(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1]), fields[2])
+                  for fields in map(str.split, mounts)]
     return max((p for p in points if path.is_relative_to(p[0])), key=lambda p: len(p[0]))[1]
 
 
