@@ -27,11 +27,15 @@ holds them), as stores whose listings spell ETags otherwise than their GET repli
 ``listing_body`` rewrites the whole body (XML) of each listing reply, as stores that leave out the
 continuation token of a truncated page; ``listing_ignores`` holds query parameters dropped from listing
 requests (``continuation-token``, ``start-after``), as a store that answers the first page again;
-``reply_etag`` respells the ``ETag`` header of object GET replies (upper case, say); ``refuse_listing``
+``reply_etag`` respells the ``ETag`` header of object GET replies (upper case, say); ``reply_checksums``
+(a function of the body: ``x-amz-checksum-*`` header name -> value) replaces the checksum headers
+of each successful object GET reply, computed before any flip, as a store whose objects carry only
+those checksums; ``refuse_listing``
 (a status and an S3 error code) answers every listing so, as a store refusing the region or signature;
 ``refuse_checksum_mode`` answers 501 NotImplemented to an object GET that asks for checksums
 (``x-amz-checksum-mode``), as stores without them do. The head of every object GET forwarded or
-refused is kept in ``object_get_heads``.
+refused is kept in ``object_get_heads``, and the head of every object GET reply forwarded in
+``object_get_replies``.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ class FaultProxy:
                  drip_s: float = 0.2, deny_status: int = 403, throttle: tuple[int, str] = (503, "SlowDown"),
                  refuse_checksum_mode: bool = False, reply_etag: Callable[[bytes], bytes] | None = None,
                  refuse_listing: tuple[int, str] | None = None, listing_body: Callable[[bytes], bytes] | None = None,
-                 listing_ignores: Sequence[str] = ()) -> None:
+                 listing_ignores: Sequence[str] = (),
+                 reply_checksums: Callable[[bytes], dict[str, str]] | None = None) -> None:
         parsed = urlparse(upstream)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rate, self.kinds, self.delay_s, self.flip_rate = rate, tuple(kinds), delay_s, flip_rate
@@ -70,7 +75,9 @@ class FaultProxy:
         self.range_quirk, self.deny, self.listing_etag = range_quirk, {p.encode() for p in deny}, listing_etag
         self.drip_s, self.refuse_checksum_mode, self.reply_etag = drip_s, refuse_checksum_mode, reply_etag
         self.listing_body, self.listing_ignores = listing_body, tuple(name.encode() for name in listing_ignores)
+        self.reply_checksums = reply_checksums
         self.object_get_heads: list[bytes] = []
+        self.object_get_replies: list[bytes] = []
         self.listings = 0  # listing requests (a GET with a query string)
         self._listing_refused = None if refuse_listing is None else _reply(
             refuse_listing[0], _ERROR % (refuse_listing[1].encode(), b"The request is refused"))
@@ -186,6 +193,14 @@ class FaultProxy:
             respell = self.reply_etag
             reply = re.sub(rb"(?im)^(etag: *)(.*?)(\r?)$", lambda m: m.group(1) + respell(m.group(2)) + m.group(3),
                            reply[:split]) + reply[split:]
+        if is_object_get and self.reply_checksums is not None and reply.startswith(b"HTTP/1.1 200"):
+            split = reply.index(b"\r\n\r\n")
+            head = re.sub(rb"(?im)\r\nx-amz-checksum-[a-z0-9]+:[^\r]*", b"", reply[:split])
+            head += b"".join(b"\r\n%s: %s" % (name.encode(), value.encode())
+                             for name, value in self.reply_checksums(reply[split + 4:]).items())
+            reply = head + reply[split:]
+        if is_object_get:
+            self.object_get_replies.append(reply[: reply.index(b"\r\n\r\n")])
         if is_object_get and self.flip_rate and self._random.random() < self.flip_rate:
             reply = self._flip(reply)
         if fault == "delay":

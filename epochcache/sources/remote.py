@@ -26,7 +26,8 @@ Pinning (invariant: bytes of one read all come from the version the listing saw)
   read without ``If-Match`` from then on, pinned by the reply's ETag alone. A ranged reply must
   start where asked (its ``Content-Range``), else it is another range's bytes. A whole-object read
   also checks the body's MD5 against a plain (single-part, not SSE-KMS/SSE-C) ETag; botocore checks
-  an ``x-amz-checksum-*`` the store sends for a whole object.
+  an ``x-amz-checksum-*`` the store sends for a whole object (CRC64NVME, S3's default for new
+  objects, and CRC32C only with awscrt installed, hence the dependency).
 - Local files: the etag is ``<mtime>-<size>``; it is compared with a fresh ``stat`` before and after
   each read.
 - Other filesystems: the etag is recorded when their listing has one, but reads are not pinned;

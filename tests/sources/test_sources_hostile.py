@@ -4,9 +4,12 @@ Also the Retrier's handling of CorruptObjectError, pinned reads and configuratio
 
 from __future__ import annotations
 
+import base64
+import functools
 import hashlib
 import io
 import logging
+import re
 import resource
 import tarfile
 import threading
@@ -316,6 +319,51 @@ def test_a_flipped_whole_object_is_corrupt_by_the_store_checksum(s3: Any, bucket
         with pytest.raises(CorruptObjectError, match="a.bin: the store's checksum does not match"):
             source.read(source.units(obj)[0])
         assert proxy.faults["flip"] == 1
+    finally:
+        proxy.close()
+
+
+def _crc(data: bytes, width: int, reflected_poly: int) -> bytes:
+    """A reflected CRC of ``data`` (initial value and final xor all ones), big-endian, as S3 sends it."""
+    mask = (1 << width) - 1
+    crc = mask
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (reflected_poly if crc & 1 else 0)
+    return (crc ^ mask).to_bytes(width // 8, "big")
+
+
+_CRCS = {"CRC64NVME": functools.partial(_crc, width=64, reflected_poly=0x9A6C9329AC4BC9B5),
+         "CRC32C": functools.partial(_crc, width=32, reflected_poly=0x82F63B78)}
+
+
+def test_the_crcs_given_to_uploads_are_the_standard_ones() -> None:
+    assert _CRCS["CRC64NVME"](b"123456789").hex() == "ae8b14860a799888"
+    assert _CRCS["CRC32C"](b"123456789").hex() == "e3069283"
+
+
+@pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C"])
+def test_a_flipped_whole_object_is_corrupt_by_a_checksum_only_awscrt_computes(
+    s3: Any, bucket: str, s3_endpoint: str, algorithm: str
+) -> None:
+    """S3 gives new objects a CRC64NVME checksum; SDKs may upload with CRC32C. botocore checks
+    neither without awscrt (it leaves them out of the algorithms it asks to validate): a flipped body
+    would then be caught by the MD5 ETag only, which a multipart or SSE-KMS object does not have."""
+    from faultproxy import FaultProxy
+
+    s3.pipe(f"{bucket}/crt/cls/a.bin", b"x" * 1000)
+    header = f"x-amz-checksum-{algorithm.lower()}"
+    proxy = FaultProxy(s3_endpoint, rate=0.0, flip_rate=1.0, seed=2,
+                       reply_checksums=lambda body: {header: base64.b64encode(_CRCS[algorithm](body)).decode()})
+    try:
+        options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url},
+                   "config_kwargs": {"response_checksum_validation": "when_required"}}  # (as the daemon sets it)
+        source = ObjectSource(f"s3://{bucket}/crt", storage_options=options)
+        (obj,) = source.list_objects()
+        with pytest.raises(CorruptObjectError, match="a.bin: the store's checksum does not match"):
+            source.read(source.units(obj)[0])
+        assert re.findall(rb"(?im)^x-amz-checksum-[a-z0-9]+:", proxy.object_get_replies[-1]) == [f"{header}:".encode()]
     finally:
         proxy.close()
 
