@@ -343,18 +343,24 @@ def test_the_crcs_given_to_uploads_are_the_standard_ones() -> None:
     assert _CRCS["CRC32C"](b"123456789").hex() == "e3069283"
 
 
+def _multipart(etag: bytes) -> bytes:
+    """An ETag spelled as a multipart upload's (``"<hex>-2"``): not an MD5 of the object."""
+    return etag.rstrip(b'"') + b'-2"'
+
+
 @pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C"])
 def test_a_flipped_whole_object_is_corrupt_by_a_checksum_only_awscrt_computes(
     s3: Any, bucket: str, s3_endpoint: str, algorithm: str
 ) -> None:
     """S3 gives new objects a CRC64NVME checksum; SDKs may upload with CRC32C. botocore checks
-    neither without awscrt (it leaves them out of the algorithms it asks to validate): a flipped body
-    would then be caught by the MD5 ETag only, which a multipart or SSE-KMS object does not have."""
+    neither without awscrt (it leaves them out of the algorithms it asks to validate), and the ETag of
+    a multipart (or SSE-KMS) object is no MD5: a flipped body was then read as the object's bytes."""
     from faultproxy import FaultProxy
 
     s3.pipe(f"{bucket}/crt/cls/a.bin", b"x" * 1000)
     header = f"x-amz-checksum-{algorithm.lower()}"
-    proxy = FaultProxy(s3_endpoint, rate=0.0, flip_rate=1.0, seed=2,
+    proxy = FaultProxy(s3_endpoint, rate=0.0, flip_rate=1.0, seed=2, ignore_if_match=True,
+                       listing_etag=_multipart, reply_etag=_multipart,
                        reply_checksums=lambda body: {header: base64.b64encode(_CRCS[algorithm](body)).decode()})
     try:
         options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url},
