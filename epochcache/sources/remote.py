@@ -27,7 +27,8 @@ Pinning (invariant: bytes of one read all come from the version the listing saw)
   start where asked (its ``Content-Range``), else it is another range's bytes. A whole-object read
   also checks the body's MD5 against a plain (single-part, not SSE-KMS/SSE-C) ETag; botocore checks
   an ``x-amz-checksum-*`` the store sends for a whole object (CRC64NVME, S3's default for new
-  objects, and CRC32C only with awscrt installed, hence the dependency).
+  objects, and CRC32C only with awscrt installed: the ``crt`` extra; without it, a whole object
+  whose only checks those were is read unchecked, and the source says so once).
 - Local files: the etag is ``<mtime>-<size>``; it is compared with a fresh ``stat`` before and after
   each read.
 - Other filesystems: the etag is recorded when their listing has one, but reads are not pinned;
@@ -67,6 +68,10 @@ log = logging.getLogger(__name__)
 _PLAIN_MD5 = re.compile(r'^(?:W/)?"?([0-9a-f]{32})"?$', re.IGNORECASE)
 # Server-side encryption under which an S3 ETag is not the MD5 of the body.
 _ETAG_NOT_MD5 = {"aws:kms", "aws:kms:dsse"}
+# The checksums a GetObject reply may carry (botocore's parsed ``Checksum<name>``), and those botocore
+# computes only through awscrt (it leaves them unchecked without it).
+_STORE_CHECKSUMS = ("CRC64NVME", "CRC32C", "CRC32", "SHA1", "SHA256")
+_CRT_ONLY_CHECKSUMS = {"CRC64NVME", "CRC32C"}
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/")
 # S3 error codes that refuse the credentials, the clock or the request's signing, not one object: no
 # object will read (a 403, or a 400 for a region or signature version the store does not take).
@@ -169,6 +174,7 @@ class RemoteFiles:
         self._if_match = True  # until the store refuses an unchanged object's ETag (see _get_object)
         self._checksum_mode = True  # until the store refuses x-amz-checksum-mode (see _get_object)
         self._served: OrderedDict[str, str] = OrderedDict()  # see _pin
+        self._said_unchecked = False  # see _s3_read
         self._served_lock = threading.Lock()
         self._read_any = False  # a read of this source succeeded: a refused object is that object's, not ours
         self._denied: set[str] = set()  # paths refused (403, or another 4xx or a 501) so far
@@ -333,6 +339,14 @@ class RemoteFiles:
                 log.warning("%s: two reads agree but not with its ETag %s: this store's ETags are not MD5s, so "
                             "whole-object reads under %s are not checked by ETag", self._url(obj.path),
                             md5.group(1), self.url)
+            checked = bool(md5) and not encrypted and self._etags_are_md5
+        else:
+            checked = False
+        if whole and not checked and not self._said_unchecked and (name := _unchecked_checksum(reply)):
+            self._said_unchecked = True
+            log.warning("%s: its only checksum is %s, which botocore checks only with awscrt installed (pip "
+                        "install 'epochcache[crt]'): whole objects under %s like it are read unchecked",
+                        self._url(obj.path), name, self.url)
         return data
 
     def _check_served(self, obj: RemoteObject, reply: dict[str, Any], start: int) -> None:
@@ -460,6 +474,17 @@ class RemoteFiles:
     def _url(self, path: str) -> str:
         protocol = _protocols(self.fs)[0]
         return path if protocol in ("file", "local") else f"{protocol}://{path}"
+
+
+def _unchecked_checksum(reply: dict[str, Any]) -> str | None:
+    """The checksum a GetObject reply carries that botocore could not check (one only awscrt
+    computes, awscrt absent), if it carries no checksum botocore checked; else None."""
+    from botocore.compat import HAS_CRT  # (botocore is loaded by then: the reply came through it)
+
+    sent = [name for name in _STORE_CHECKSUMS if reply.get(f"Checksum{name}")]
+    if HAS_CRT or not sent or any(name not in _CRT_ONLY_CHECKSUMS for name in sent):
+        return None
+    return sent[0]
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

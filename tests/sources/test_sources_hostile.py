@@ -5,6 +5,7 @@ Also the Retrier's handling of CorruptObjectError, pinned reads and configuratio
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import hashlib
 import io
@@ -13,13 +14,14 @@ import re
 import resource
 import tarfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from botocore.compat import HAS_CRT
 from conftest import make_table
 
 from epochcache.errors import CorruptObjectError, FetchFailedError, ObjectMissingError, SourceError
@@ -324,7 +326,8 @@ def test_a_flipped_whole_object_is_corrupt_by_the_store_checksum(s3: Any, bucket
 
 
 def _crc(data: bytes, width: int, reflected_poly: int) -> bytes:
-    """A reflected CRC of ``data`` (initial value and final xor all ones), big-endian, as S3 sends it."""
+    """A reflected CRC of ``data`` (initial value and final xor all ones), big-endian, as S3 sends it
+    (computed here, so that a test can give a store's checksum without awscrt)."""
     mask = (1 << width) - 1
     crc = mask
     for byte in data:
@@ -338,7 +341,7 @@ _CRCS = {"CRC64NVME": functools.partial(_crc, width=64, reflected_poly=0x9A6C932
          "CRC32C": functools.partial(_crc, width=32, reflected_poly=0x82F63B78)}
 
 
-def test_the_crcs_given_to_uploads_are_the_standard_ones() -> None:
+def test_the_crcs_the_proxy_sends_are_the_standard_ones() -> None:
     assert _CRCS["CRC64NVME"](b"123456789").hex() == "ae8b14860a799888"
     assert _CRCS["CRC32C"](b"123456789").hex() == "e3069283"
 
@@ -348,30 +351,52 @@ def _multipart(etag: bytes) -> bytes:
     return etag.rstrip(b'"') + b'-2"'
 
 
-@pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C"])
-def test_a_flipped_whole_object_is_corrupt_by_a_checksum_only_awscrt_computes(
-    s3: Any, bucket: str, s3_endpoint: str, algorithm: str
-) -> None:
-    """S3 gives new objects a CRC64NVME checksum; SDKs may upload with CRC32C. botocore checks
-    neither without awscrt (it leaves them out of the algorithms it asks to validate), and the ETag of
-    a multipart (or SSE-KMS) object is no MD5: a flipped body was then read as the object's bytes."""
+@contextlib.contextmanager
+def _crt_only_store(s3: Any, bucket: str, s3_endpoint: str, algorithm: str, flip_rate: float) -> Iterator[ObjectSource]:
+    """An object source over one object whose ETag is spelled as a multipart upload's (no MD5) and whose
+    only checksum is ``algorithm``, through a proxy flipping a bit of each body at ``flip_rate``."""
     from faultproxy import FaultProxy
 
     s3.pipe(f"{bucket}/crt/cls/a.bin", b"x" * 1000)
     header = f"x-amz-checksum-{algorithm.lower()}"
-    proxy = FaultProxy(s3_endpoint, rate=0.0, flip_rate=1.0, seed=2, ignore_if_match=True,
+    proxy = FaultProxy(s3_endpoint, rate=0.0, flip_rate=flip_rate, seed=2, ignore_if_match=True,
                        listing_etag=_multipart, reply_etag=_multipart,
                        reply_checksums=lambda body: {header: base64.b64encode(_CRCS[algorithm](body)).decode()})
     try:
         options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url},
                    "config_kwargs": {"response_checksum_validation": "when_required"}}  # (as the daemon sets it)
-        source = ObjectSource(f"s3://{bucket}/crt", storage_options=options)
-        (obj,) = source.list_objects()
-        with pytest.raises(CorruptObjectError, match="a.bin: the store's checksum does not match"):
-            source.read(source.units(obj)[0])
+        yield ObjectSource(f"s3://{bucket}/crt", storage_options=options)
         assert re.findall(rb"(?im)^x-amz-checksum-[a-z0-9]+:", proxy.object_get_replies[-1]) == [f"{header}:".encode()]
     finally:
         proxy.close()
+
+
+@pytest.mark.skipif(not HAS_CRT, reason="needs awscrt (the crt extra)")
+@pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C"])
+def test_a_flipped_whole_object_is_corrupt_by_a_checksum_only_awscrt_computes(
+    s3: Any, bucket: str, s3_endpoint: str, algorithm: str
+) -> None:
+    """S3 gives new objects a CRC64NVME checksum; SDKs may upload with CRC32C. botocore checks them
+    with awscrt installed, which catches a flipped body the ETag of a multipart (or SSE-KMS) object
+    cannot (without awscrt it was read as the object's bytes)."""
+    with _crt_only_store(s3, bucket, s3_endpoint, algorithm, flip_rate=1.0) as source:
+        (obj,) = source.list_objects()
+        with pytest.raises(CorruptObjectError, match="a.bin: the store's checksum does not match"):
+            source.read(source.units(obj)[0])
+
+
+@pytest.mark.skipif(HAS_CRT, reason="awscrt is installed: botocore checks these checksums")
+@pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C"])
+def test_a_whole_object_whose_only_checksum_botocore_cannot_check_is_said_so_once(
+    s3: Any, bucket: str, s3_endpoint: str, algorithm: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _crt_only_store(s3, bucket, s3_endpoint, algorithm, flip_rate=0.0) as source:
+        (obj,) = source.list_objects()
+        with caplog.at_level(logging.WARNING, logger="epochcache.sources.remote"):
+            for _ in range(2):
+                assert source.read(source.units(obj)[0])["data"].to_pylist() == [b"x" * 1000]
+    said = [r.message for r in caplog.records if "read unchecked" in r.message]
+    assert len(said) == 1 and algorithm in said[0] and "epochcache[crt]" in said[0]
 
 
 @pytest.mark.parametrize("spelling", [None, bytes.upper, lambda etag: b"W/" + etag],
