@@ -38,7 +38,16 @@ from typing import Any
 
 from epochcache.cache.layout import SHARD_SUFFIX
 from epochcache.cache.ledger_daemon import DaemonState
-from epochcache.cache.ledger_db import Counters, LedgerDatabase, delete_shards, incr, kv, set_kv, unit_hash
+from epochcache.cache.ledger_db import (
+    Counters,
+    LedgerDatabase,
+    delete_shards,
+    incr,
+    kv,
+    open_here,
+    set_kv,
+    unit_hash,
+)
 from epochcache.cache.ledger_leases import Leases, end_ended_leases, live_leases, unleased_retiring
 from epochcache.cache.ledger_quarantine import QuarantineTable
 from epochcache.cache.ledger_records import Lease, Quarantined, ShardRecord, Stage, Usage, by_age, take_until
@@ -105,12 +114,17 @@ class Ledger:
         Reads every file (``progress``: a bar, see :mod:`epochcache.cache.progress`). Raises
         :class:`CacheError`, deleting nothing, while another process has the database open."""
         folder = Path(directory)
+        # Deleted under them, its users would go on with the old database: their leases unseen by the
+        # new one (so a daemon could evict what they read), their epochs blind to new shards. (A user
+        # opening it while the rebuild runs is not seen: trainers take no lock on the cache.)
+        if open_here(folder / DB_NAME):
+            raise CacheError(f"the ledger {folder / DB_NAME} is open in this process (a loader or Ledger): close "
+                             "it before rebuilding the ledger")
         if open_elsewhere(folder / DB_NAME):
-            # Deleted under them, they would go on with the old database: their leases unseen by the
-            # new one (so a daemon could evict what they read), and their epochs blind to new shards.
             raise CacheError(
-                f"the ledger {folder / DB_NAME} is open in another process (a trainer, `epochcache status`): "
-                "stop every process using this cache, then run `epochcache verify --fix` again"
+                f"the ledger {folder / DB_NAME} is open in another process (a trainer, `epochcache status`), or "
+                "its -shm file is not this user's to lock: stop every process using this cache, then run "
+                "`epochcache verify --fix` again (as the cache's owner)"
             )
         for name in (DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", LEGACY_DB_NAME):
             (folder / name).unlink(missing_ok=True)

@@ -17,6 +17,7 @@ import json
 import os
 import sqlite3
 import threading
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,18 @@ import xxhash
 
 from epochcache.cache.ledger_schema import Connect, open_database, readable_errors
 from epochcache.errors import LedgerError
+
+# The ledger databases this process has open (resolved path -> how many): a rebuild must not delete
+# one from under this process either, and the lock it tests (ledger_schema.open_elsewhere) cannot
+# show this process's own connections.
+_OPEN_HERE: Counter[str] = Counter()
+_OPEN_HERE_LOCK = threading.Lock()
+
+
+def open_here(path: Path) -> bool:
+    """Whether this process has a :class:`LedgerDatabase` on ``path`` open."""
+    with _OPEN_HERE_LOCK:
+        return _OPEN_HERE[str(path.resolve())] > 0
 
 
 class LedgerDatabase:
@@ -37,6 +50,9 @@ class LedgerDatabase:
         self._lock = threading.RLock()
         self._con = open_database(path, connect)
         self._pid = os.getpid()
+        self._key: str | None = str(path.resolve())
+        with _OPEN_HERE_LOCK:
+            _OPEN_HERE[self._key] += 1
 
     def connection(self) -> sqlite3.Connection:
         """This process's connection (use it inside :meth:`read` or :meth:`write`)."""
@@ -98,6 +114,10 @@ class LedgerDatabase:
     def close(self) -> None:
         with self._lock:
             self._con.close()
+            if self._key is not None:
+                with _OPEN_HERE_LOCK:
+                    _OPEN_HERE[self._key] -= 1
+                self._key = None
 
 
 # -- statements (inside a transaction) ------------------------------------------------------------

@@ -136,13 +136,16 @@ def connect(path: Path) -> sqlite3.Connection:
 
 def open_elsewhere(path: Path) -> bool:
     """Whether another process has the WAL database at ``path`` open: a lock this process cannot take
-    on its -shm file's dead-man-switch byte (the lock SQLite holds for every open connection). Call
-    it with no connection of this process open on ``path``: closing a descriptor drops every POSIX
-    lock this process holds on that file, SQLite's included."""
+    on its -shm file's dead-man-switch byte (the lock SQLite holds for every open connection); True
+    too where this user may not open that file to lock it (it cannot tell). Call it with no
+    connection of this process open on ``path``: closing a descriptor drops every POSIX lock this
+    process holds on that file, SQLite's included."""
     try:
         fd = os.open(path.with_name(path.name + "-shm"), os.O_RDWR)
     except FileNotFoundError:
         return False
+    except PermissionError:
+        return True
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _SHM_DMS_BYTE)
     except OSError as exc:

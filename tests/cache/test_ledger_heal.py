@@ -4,6 +4,7 @@ versions, a full disk under the ledger, and leases of processes that die or stop
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sqlite3
 import subprocess
@@ -275,7 +276,7 @@ def test_a_rebuild_reads_each_file_once_and_shows_its_progress(
 
 def test_a_rebuild_refuses_while_another_process_has_the_ledger_open(layout: CacheLayout) -> None:
     """Deleted under a running trainer, the old database would live on in it: its leases unseen by the
-    rebuilt one (a daemon could evict what it reads). The rebuild waits for every other user to go."""
+    rebuilt one (a daemon could evict what it reads). The rebuild refuses until every other user is gone."""
     records = write_shards(layout, 2)
     Ledger(layout.ledger).close()
     holder = subprocess.Popen(
@@ -289,8 +290,34 @@ def test_a_rebuild_refuses_while_another_process_has_the_ledger_open(layout: Cac
         with pytest.raises(CacheError, match=r"open in another process .* stop every process using this cache"):
             Ledger.rebuild(layout.ledger)
         assert database.stat().st_ino == before, "nothing was deleted"
-    finally:
         holder.communicate("", timeout=30)
+    finally:
+        holder.kill()
+        holder.wait(30)
     ledger = Ledger.rebuild(layout.ledger)
     assert ledger.shards() == records
     ledger.close()
+
+
+def test_a_rebuild_refuses_while_this_process_has_the_ledger_open(layout: CacheLayout) -> None:
+    """Its own connections hold no lock this process could fail to take: they are counted instead."""
+    records = write_shards(layout, 1)
+    ledger = Ledger(layout.ledger)
+    before = (layout.ledger / DB_NAME).stat().st_ino
+    with pytest.raises(CacheError, match="open in this process"):
+        Ledger.rebuild(layout.ledger)
+    assert (layout.ledger / DB_NAME).stat().st_ino == before, "nothing was deleted"
+    ledger.close()
+    rebuilt = Ledger.rebuild(layout.ledger)
+    assert rebuilt.shards() == records
+    rebuilt.close()
+
+
+def test_open_elsewhere_cannot_tell_without_a_right_to_the_shm_file(tmp_path: Path) -> None:
+    shm = tmp_path / (DB_NAME + "-shm")
+    shm.write_bytes(b"\0" * 32768)
+    assert not ledger_schema.open_elsewhere(tmp_path / DB_NAME)
+    shm.chmod(0o444)
+    if os.access(shm, os.W_OK):
+        pytest.skip("this user (root?) may write any file")
+    assert ledger_schema.open_elsewhere(tmp_path / DB_NAME), "a file it may not lock: it cannot tell, so it says yes"
