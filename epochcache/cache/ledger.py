@@ -112,7 +112,7 @@ class Ledger:
         of another version) is deleted: its bytes are not charged to the budget, and every shard's
         record is in its file. Hold the cache's lock, with no connection of this process open on it.
         Reads every file (``progress``: a bar, see :mod:`epochcache.cache.progress`). Raises
-        :class:`CacheError`, deleting nothing, while another process has the database open."""
+        :class:`CacheError`, deleting nothing, while this or another process has the database open."""
         folder = Path(directory)
         # Deleted under them, its users would go on with the old database: their leases unseen by the
         # new one (so a daemon could evict what they read), their epochs blind to new shards. (A user
