@@ -22,8 +22,14 @@ group), ``epochcache sync --once`` runs as a process of its own with 64 MB shard
 (:mod:`epochcache.tools.pss`, sampled every 20 ms) and its CPU time per sample cached (user + system,
 from the kernel's accounting of the finished process, start-up and imports included).
 
+With ``--server-cpu N`` the server runs on CPU ``N`` alone and this process (the ceiling's GETs, the
+daemon, its process) on the others, as with a remote store, whose CPUs are not the client's; without it
+(the default) both share every core, and on a machine whose cores are all busy the ratio measures the
+CPU the daemon spends per byte as much as its I/O.
+
 Prints a table and writes JSON to ``benchmarks/results/ingest.json``. Usage: ``python
-benchmarks/ingest.py [--size-mb 500] [--row-group-mb 8] [--file-mb 64] [--concurrency 8] [--rounds 3]``.
+benchmarks/ingest.py [--size-mb 500] [--row-group-mb 8] [--file-mb 64] [--concurrency 8] [--rounds 3]
+[--server-cpu N]``.
 """
 
 from __future__ import annotations
@@ -66,8 +72,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported (default 3)")
     parser.add_argument("--cache-parent", default=None,
                         help="folder to create the cache dirs in (default: the system temp folder)")
+    parser.add_argument("--server-cpu", type=int, default=None,
+                        help="run the server on this CPU alone and the client on the others (default: shared)")
     args = parser.parse_args()
-    with moto_server() as endpoint:
+    server_cpus = set() if args.server_cpu is None else {args.server_cpu}
+    if server_cpus:
+        others = os.sched_getaffinity(0) - server_cpus
+        if not others or not server_cpus <= os.sched_getaffinity(0):
+            parser.error(f"--server-cpu {args.server_cpu}: give one of the CPUs {sorted(os.sched_getaffinity(0))}, "
+                         "leaving at least one for the client")
+        os.sched_setaffinity(0, others)  # before any thread: the ones started later, and children, inherit it
+    with moto_server(server_cpus) as endpoint:
         result = run(endpoint, args)
     print_table(result)
     RESULTS.mkdir(exist_ok=True)
@@ -113,6 +128,8 @@ def run(endpoint: str, args: argparse.Namespace) -> dict[str, object]:
         "ceiling_cpu_s": _median_cpu(ceiling_cpu), "ingest_cpu_s": _median_cpu(ingest_cpu),
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "cache_parent": args.cache_parent or tempfile.gettempdir(),
+        "cpus": ("shared" if args.server_cpu is None else
+                 f"server on CPU {args.server_cpu}, client on {sorted(os.sched_getaffinity(0))}"),
         "units_published": report.units_published, "samples_published": report.samples_published,
         "daemon_process": {kind: daemon_process(options, kind, url, remote_bytes, args.concurrency, args.cache_parent)
                            for kind, url in (("parquet", "s3://bench/data"), ("arrow", "s3://bench/arrow"))},
@@ -269,6 +286,7 @@ def print_table(result: dict[str, object]) -> None:
                f"{d['peak_pss_mb']}; {d['cpu_s']}; {d['cpu_us_per_sample']} ({d['samples']} samples, {d['seconds']} s)")
               for kind, d in result["daemon_process"].items()),
             ("cache dirs under", result["cache_parent"]),
+            ("CPUs", result["cpus"]),
             ("machine", result["machine"])]
     width = max(len(name) for name, _ in rows)
     print(f"{'measure':<{width}} | value")

@@ -45,6 +45,9 @@ ENV_PREFIX = "EPOCHCACHE_"
 # The single `source:` is validated as entry 0 of `sources`; errors name it as the user wrote it.
 _SHORTHAND = re.compile(r"\bsources\.0(?=[.:= ]|$)")
 # What a size error advises, whatever pydantic could not parse (a word, a negative number, '').
+# The footers' share of the budget (cache.footer_bytes): auto gives max_bytes/64 within these bounds.
+FOOTER_STORE_LEAST = 2**20
+FOOTER_STORE_MOST = 64 * 2**20
 _SIZE_HINT = "give a number of bytes > 0 or a size such as 20GB (20*10**9) or 20GiB (20*2**30)"
 
 
@@ -151,6 +154,12 @@ class CacheConfig(_Section):
         description="once room must be made, evict down to this fraction of max_bytes; auto: as low as keeps "
         "90% of max_bytes in shards for the next epoch",
     )
+    footer_bytes: Annotated[ByteSize, Field(ge=0)] | Literal["auto"] = Field(
+        default="auto",
+        description="part of max_bytes kept for the footers of remote Parquet and Arrow IPC files, so each is "
+        "read once per version, not again each pass, each daemon start, or each unit of a mixing window of "
+        "over 256 objects; auto: max_bytes/64, at most 64MiB (none under 1MiB); 0 = none",
+    )
 
     @field_validator("dir")
     @classmethod
@@ -166,16 +175,36 @@ class CacheConfig(_Section):
 
     @model_validator(mode="after")
     def _budget_holds_two_shards(self) -> CacheConfig:
-        # One published shard plus the one being written must fit beside the ledger (its reserve and
-        # as much again for the database's growth), or the daemon could never publish.
-        minimum = 2 * int(self.shard_bytes) + 2 * LEDGER_RESERVE
+        minimum = self._least_for_shards() + (0 if self.footer_bytes == "auto" else int(self.footer_bytes))
         if self.max_bytes < minimum:
             raise ValueError(
                 f"max_bytes={int(self.max_bytes)} cannot hold two shards of shard_bytes="
-                f"{int(self.shard_bytes)} plus the ledger: raise cache.max_bytes to at least {minimum} "
-                "or lower cache.shard_bytes"
+                f"{int(self.shard_bytes)} plus the ledger and footer_bytes: raise cache.max_bytes to at least "
+                f"{minimum} or lower cache.shard_bytes"
             )
+        if self.footer_bytes != "auto" and 0 < self.footer_bytes < FOOTER_STORE_LEAST:
+            raise ValueError(f"footer_bytes={int(self.footer_bytes)} is too small to keep footers in: use 0 for "
+                             f"none, or at least {FOOTER_STORE_LEAST} (1MiB)")
         return self
+
+    def _least_for_shards(self) -> int:
+        # One published shard plus the one being written must fit beside the ledger (its reserve and
+        # as much again for the database's growth), or the daemon could never publish.
+        return 2 * int(self.shard_bytes) + 2 * LEDGER_RESERVE
+
+    def footer_charge(self) -> int:
+        """Bytes of ``max_bytes`` set apart for footers (:class:`epochcache.sources.footers.FooterStore`
+        stays within them): ``footer_bytes``, with auto resolved; 0 for none. Auto never takes what
+        two shards and the ledger need."""
+        if self.footer_bytes != "auto":
+            return int(self.footer_bytes)
+        auto = min(FOOTER_STORE_MOST, int(self.max_bytes) // 64, int(self.max_bytes) - self._least_for_shards())
+        return auto if auto >= FOOTER_STORE_LEAST else 0
+
+    def shard_budget(self) -> int:
+        """Bytes the shards, the shard being written and the ledger may take: ``max_bytes`` less the
+        footers' share."""
+        return int(self.max_bytes) - self.footer_charge()
 
 
 class SamplerConfig(_Section):

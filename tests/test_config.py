@@ -139,6 +139,30 @@ def test_budget_at_the_minimum_is_accepted_and_one_byte_less_refused(tmp_path: P
         load_config(path, env={})
 
 
+@pytest.mark.parametrize(("max_bytes", "charge"), [
+    ("10GB", 64 * 2**20),  # auto: max_bytes/64, at most 64MiB
+    ("1GB", 15_625_000),
+    ("70MB", 1_093_750),
+    ("60MB", 0),  # under 1MiB: none
+    (MINIMUM, 0),  # never what two shards and the ledger need
+])
+def test_the_footers_share_of_the_budget_is_set_apart(tmp_path: Path, max_bytes: str | int, charge: int) -> None:
+    cache = load_config(minimal(tmp_path, cache={"max_bytes": max_bytes, "shard_bytes": "1MB"}), env={}).cache
+    assert cache.footer_charge() == charge
+    assert cache.shard_budget() == int(cache.max_bytes) - charge
+
+
+def test_footer_bytes_given_are_checked_against_the_budget(tmp_path: Path) -> None:
+    path = minimal(tmp_path, cache={"max_bytes": "1GB", "footer_bytes": "16MiB"})
+    assert load_config(path, env={}).cache.footer_charge() == 16 * 2**20
+    assert load_config(minimal(tmp_path, cache={"footer_bytes": 0}), env={}).cache.footer_charge() == 0
+    with pytest.raises(ConfigError, match=r"footer_bytes=100000 .* at least 1048576"):
+        load_config(minimal(tmp_path, cache={"footer_bytes": "100KB"}), env={})
+    path = minimal(tmp_path, cache={"max_bytes": MINIMUM, "shard_bytes": "1MB", "footer_bytes": "1MiB"})
+    with pytest.raises(ConfigError, match=str(MINIMUM + 2**20)):
+        load_config(path, env={})
+
+
 def test_shard_bytes_below_64kib_refused(tmp_path: Path) -> None:
     path = minimal(tmp_path, cache={"shard_bytes": "1KB"})
     with pytest.raises(ConfigError, match=r"cache\.shard_bytes"):

@@ -6,6 +6,7 @@
     <dir>/shards/<id>.arrow.tmp          a shard being written; never read, removed at daemon start
     <dir>/quarantine/<file name>         shards that failed their checksum or Arrow structure
     <dir>/ledger/ledger.sqlite3          the SQLite ledger: the truth about what is published
+    <dir>/footers/                       remote files' footers, kept by the daemon (diskcache)
     <dir>/daemon.lock                    held (flock) by the one sync daemon of this cache dir
 
 The checksum in a shard's name lets a file the ledger does not know be checked before it is
@@ -63,6 +64,10 @@ class CacheLayout:
     @cached_property
     def ledger(self) -> Path:
         return self.root / "ledger"
+
+    @cached_property
+    def footers(self) -> Path:
+        return self.root / "footers"
 
     @cached_property
     def lock(self) -> Path:

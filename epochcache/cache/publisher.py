@@ -14,10 +14,11 @@ evicts down to the lowest level that keeps :data:`EPOCH_FILL` of the budget in s
 shard being written and the ledger: at least the next shard's room, more where the budget has it.
 
 Invariants: the bytes under the cache dir never exceed ``cache.max_bytes`` (the shard being written
-is reserved before its first byte); a shard under a lease is never deleted; a shard that is not fully
-written is never published and its reservation is released; a full disk (ENOSPC) is waited out with
-growing pauses, never turned into a partial shard; so is a ledger that cannot write
-(:class:`LedgerFullError`): the shard's file is removed, nothing is published.
+is reserved before its first byte; the footers' share, ``CacheConfig.footer_charge``, is set apart);
+a shard under a lease is never deleted; a shard that is not fully written is never published and its
+reservation is released; a full disk (ENOSPC) is waited out with growing pauses, never turned into
+a partial shard; so is a ledger that cannot write (:class:`LedgerFullError`): the shard's file is
+removed, nothing is published.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class Publisher:
     ) -> None:
         """``evict=False`` (``sync --once``): publish only while the budget has free room."""
         self.layout, self.ledger, self.stop, self.evict = layout, ledger, stop, evict
-        self.budget = int(cache.max_bytes)
+        self.budget = cache.shard_budget()  # (the footers' share is set apart)
         self.low_watermark, self.shard_bytes = cache.low_watermark, int(cache.shard_bytes)
         self.policy = policy_named(cache.eviction, cache.max_uses, cache.min_uses)
         self.min_uses = cache.min_uses
@@ -91,8 +92,9 @@ class Publisher:
         # A bigger shard than configured: one huge unit.
         if nbytes + PUBLISH_GROWTH > self.budget - self.ledger.disk_bytes():
             raise BudgetError(
-                f"a shard of {nbytes} bytes does not fit in cache.max_bytes={self.budget}: raise the budget "
-                f"or lower cache.shard_bytes (units of the remote are the smallest piece a shard can hold)"
+                f"a shard of {nbytes} bytes does not fit in the {self.budget} bytes of cache.max_bytes left to "
+                "shards: raise the budget or lower cache.shard_bytes (units of the remote are the smallest "
+                "piece a shard can hold)"
             )
         wait = DISK_FULL_FIRST_WAIT_S
         while True:

@@ -14,6 +14,7 @@ from epochcache.sources.base import KEY_COLUMN, RemoteObject, Source, Unit
 if TYPE_CHECKING:
     from epochcache.config import SamplerConfig, SourceConfig
     from epochcache.sources.arrow import ArrowSource
+    from epochcache.sources.footers import FooterStore
     from epochcache.sources.objects import ObjectSource
     from epochcache.sources.parquet import ParquetSource
     from epochcache.sources.webdataset import WebDatasetSource
@@ -40,13 +41,16 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'epochcache.sources' has no attribute {name!r}")
 
 
-def open_source(config: SourceConfig, sampler: SamplerConfig | None = None) -> Source:
+def open_source(
+    config: SourceConfig, sampler: SamplerConfig | None = None, footers: FooterStore | None = None
+) -> Source:
     """Build the source that ``config.format`` names (validated by the config model), with the
     daemon's read settings from ``sampler`` (defaults if None): one attempt per request within
     ``request_timeout_s`` (retries are :mod:`epochcache.sources.retry`'s); samples over
     ``max_sample_bytes`` (a tar member, an object) refused as corrupt; Arrow IPC and Parquet objects
     up to ``whole_object_bytes`` read whole (:mod:`epochcache.sources.wholes`), a mixing window's worth
-    (``mix_units`` of them) held, within ``max_inflight_bytes``."""
+    (``mix_units`` of them) held, within ``max_inflight_bytes``; Arrow IPC and Parquet footers kept in
+    ``footers`` (None: only the last few hundred, in memory)."""
     from epochcache.config import SamplerConfig
     from epochcache.sources.arrow import ArrowSource
     from epochcache.sources.objects import ObjectSource
@@ -70,5 +74,5 @@ def open_source(config: SourceConfig, sampler: SamplerConfig | None = None) -> S
     whole_bytes = min(int(sampler.whole_object_bytes), int(sampler.max_inflight_bytes) // window)
     whole = {"whole_object_bytes": whole_bytes, "keep_bytes": window * whole_bytes}
     if config.format == "arrow":
-        return ArrowSource(config.url, columns=config.columns, storage_options=options, **whole)
-    return ParquetSource(config.url, columns=config.columns, storage_options=options, **whole)
+        return ArrowSource(config.url, columns=config.columns, storage_options=options, footers=footers, **whole)
+    return ParquetSource(config.url, columns=config.columns, storage_options=options, footers=footers, **whole)

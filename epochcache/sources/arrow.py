@@ -29,13 +29,13 @@ import pyarrow as pa
 from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import RemoteObject, Unit
 from epochcache.sources.files import FileSource
+from epochcache.sources.footers import FooterStore
 from epochcache.sources.remote import blank_image
 from epochcache.sources.wholes import KEEP_BYTES, WHOLE_OBJECT_BYTES, WholeObjects, footer_differs
 
 _SUFFIXES = (".arrow", ".feather", ".ipc")
 _MAGIC = b"ARROW1"
 _TAIL_BYTES = 64 * 1024
-_FOOTER_CACHE = 256
 _BLOCK = struct.Struct("<qi4xq")  # flatbuffers struct Block: offset, metaDataLength, (pad), bodyLength
 
 
@@ -53,9 +53,10 @@ class ArrowSource(FileSource):
     def __init__(
         self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None,
         whole_object_bytes: int = WHOLE_OBJECT_BYTES, keep_bytes: int = KEEP_BYTES,
+        footers: FooterStore | None = None,
     ) -> None:
-        super().__init__(url, columns, storage_options)
-        self._footer = functools.lru_cache(maxsize=_FOOTER_CACHE)(self._read_footer)
+        super().__init__(url, columns, storage_options, footers)
+        self._footer = self._footer_cache(self._read_footer)
         self._wholes = WholeObjects(self._remote, self._checked_footer, whole_object_bytes, keep_bytes)
 
     def units(self, obj: RemoteObject) -> list[Unit]:
@@ -64,10 +65,18 @@ class ArrowSource(FileSource):
         return [Unit(obj, index, None, None, end - start) for index, (start, end) in enumerate(footer.blocks)]
 
     def read(self, unit: Unit) -> pa.Table:
-        if self._wholes.wanted(unit.obj):
-            return self._read_whole(unit)
+        """The record batch's rows; one that does not decode raises :class:`CorruptObjectError`."""
+        try:
+            return self._read_whole(unit) if self._wholes.wanted(unit.obj) else self._read_range(unit)
+        except CorruptObjectError:
+            # the footer may be what is wrong (it has no checksum): read it afresh on the retry
+            self._forget_footer(unit.obj)
+            raise
+
+    def _read_range(self, unit: Unit) -> pa.Table:
+        """The record batch from a ranged GET of its span."""
         footer = self._footer(unit.obj)
-        start, end = footer.blocks[unit.index]
+        start, end = _block(unit, footer)
         # The batch streams into an anonymous mapping and is decoded in place: its columns are views
         # of the bytes as they came off the socket (no copy on the way).
         image = blank_image(end - start)
@@ -81,10 +90,7 @@ class ArrowSource(FileSource):
                                  lambda footer: len(footer.blocks))
 
     def _batch_of(self, unit: Unit, data: pa.Buffer, footer: _Footer) -> pa.Table:
-        if unit.index >= len(footer.blocks):
-            raise CorruptObjectError(f"{unit.obj.path} has {len(footer.blocks)} record batches, not "
-                                     f"{unit.key}'s: its footer was damaged when first read")
-        start, end = footer.blocks[unit.index]
+        start, end = _block(unit, footer)
         return self._decode(unit, footer, data[start:end])
 
     def _checked_footer(self, obj: RemoteObject, data: pa.Buffer) -> _Footer:
@@ -94,8 +100,9 @@ class ArrowSource(FileSource):
         footer = self._parse_footer(obj, memoryview(data))
         listed = self._footer(obj)
         if footer.blocks != listed.blocks or not footer.schema.equals(listed.schema, check_metadata=True):
-            self._footer.cache_clear()
             raise footer_differs(obj)
+        view = memoryview(data)
+        self._keep_footer(obj, bytes(view[len(view) - 10 - _footer_length(obj, view) :]))
         return footer
 
     def _decode(self, unit: Unit, footer: _Footer, data: pa.Buffer) -> pa.Table:
@@ -104,8 +111,6 @@ class ArrowSource(FileSource):
             batch = pa.ipc.read_record_batch(pa.ipc.read_message(data), footer.schema)
             batch.validate(full=True)  # offsets, lengths, UTF-8: damage pyarrow would otherwise read past
         except (pa.ArrowInvalid, OSError, ValueError) as exc:
-            # the footer may be what is damaged (it has no checksum): read it afresh on the retry
-            self._footer.cache_clear()
             raise CorruptObjectError(f"{unit.obj.path}: record batch {unit.index} ({unit.key}) is unreadable: "
                                      f"{' '.join(str(exc).split())}") from exc
         table = pa.Table.from_batches([batch])
@@ -114,16 +119,31 @@ class ArrowSource(FileSource):
         return self._keyed(table, f"{unit.obj.path}:{unit.index}.", 0)
 
     def _read_footer(self, obj: RemoteObject) -> _Footer:
-        """The footer from a GET of the object's tail, confirmed by a second read where the object's
-        whole read will not check it (a larger object over a network)."""
-        tail_start = max(0, obj.size - _TAIL_BYTES)
-        tail = self._remote.fetch(obj, tail_start, obj.size)
+        """The footer: kept from an earlier read of this version (:meth:`_stored_footer`), else read
+        from a GET of the object's tail, confirmed by a second read where the object's whole read
+        will not check it (a larger object over a network)."""
+        tail = self._stored_footer(obj)
+        if tail is None:
+            tail = self._fetch_footer(obj)
+        try:
+            footer = self._parse_footer(obj, tail)
+        except CorruptObjectError:
+            self._forget_footer(obj)
+            raise
+        if not self._wholes.wanted(obj):  # (a whole object's is kept once checked against its bytes)
+            self._keep_footer(obj, tail)
+        return footer
+
+    def _fetch_footer(self, obj: RemoteObject) -> bytes:
+        """The footer's bytes (the footer, its length and the magic) from a GET of the object's tail."""
+        tail = self._remote.fetch(obj, max(0, obj.size - _TAIL_BYTES), obj.size)
         length = _footer_length(obj, tail)
         if length + 10 > len(tail):
             tail = self._remote.fetch(obj, obj.size - length - 10, obj.size)
+        footer = tail[len(tail) - 10 - length :]
         if not self._wholes.wanted(obj):
-            self._remote.confirm(obj, obj.size - length - 10, tail[len(tail) - 10 - length :])
-        return self._parse_footer(obj, tail)
+            self._remote.confirm(obj, obj.size - length - 10, footer)
+        return footer
 
     def _parse_footer(self, obj: RemoteObject, tail: bytes | memoryview) -> _Footer:
         """The footer at the end of ``tail`` (the object's last bytes, the whole footer among them)."""
@@ -146,6 +166,14 @@ class ArrowSource(FileSource):
         missing = [c for c in self.columns or () if c not in schema.names]
         if missing:
             raise SourceError(f"source.columns names {missing} absent from {path}: present are {schema.names}")
+
+
+def _block(unit: Unit, footer: _Footer) -> tuple[int, int]:
+    """The byte span of the unit's record batch; :class:`CorruptObjectError` if the footer has none."""
+    if unit.index >= len(footer.blocks):
+        raise CorruptObjectError(f"{unit.obj.path} has {len(footer.blocks)} record batches, not "
+                                 f"{unit.key}'s: its footer was damaged when first read")
+    return footer.blocks[unit.index]
 
 
 def _footer_length(obj: RemoteObject, tail: bytes | memoryview) -> int:

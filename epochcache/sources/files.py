@@ -9,8 +9,9 @@ suffixes) and the :class:`~epochcache.sources.remote.RemoteFiles` that reads the
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -18,9 +19,14 @@ import pyarrow.compute as pc
 
 from epochcache.errors import SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject
+from epochcache.sources.footers import FooterStore
 from epochcache.sources.pool import ROWS_POOL
 from epochcache.sources.remote import RemoteFiles
 from epochcache.sources.scan import scan
+
+# Parsed footers a source keeps in memory; beyond them, a source given a FooterStore reads them from disk.
+FOOTERS_IN_MEMORY = 256
+_Parsed = TypeVar("_Parsed")
 
 
 class FileSource:
@@ -29,6 +35,8 @@ class FileSource:
     and ``read``.
 
     ``columns`` None means all; an empty list is refused, since it would cache rows of nothing.
+    ``footers``: where the formats with footers (Parquet, Arrow IPC) keep them between passes and
+    runs, for objects read over a network (local files' are read again: that costs no request).
     """
 
     suffixes: tuple[str, ...] = ()
@@ -36,7 +44,8 @@ class FileSource:
     column_word: str = "column"  # what a selectable column is called in this format
 
     def __init__(
-        self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None
+        self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None,
+        footers: FooterStore | None = None,
     ) -> None:
         if columns is not None and not columns:
             raise SourceError(
@@ -45,6 +54,9 @@ class FileSource:
         self.url = url
         self.columns = list(columns) if columns is not None else None
         self._remote = RemoteFiles(url, storage_options)
+        self._footers = None if self._remote.local else footers
+        self._parsed: Any = None  # see _footer_cache
+
 
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
         return f"{type(self).__name__}({self.url!r})"
@@ -62,3 +74,26 @@ class FileSource:
 
     def scan_objects(self) -> Iterator[list[RemoteObject]]:
         return scan(self._remote, self.suffixes, self.kind)
+
+    def _footer_cache(self, read: Callable[[RemoteObject], _Parsed]) -> Callable[[RemoteObject], _Parsed]:
+        """``read`` (an object's parsed footer) with its last :data:`FOOTERS_IN_MEMORY` results kept in
+        memory, until :meth:`_forget_footer`."""
+        self._parsed = functools.lru_cache(maxsize=FOOTERS_IN_MEMORY)(read)
+        return self._parsed  # type: ignore[no-any-return]
+
+    def _stored_footer(self, obj: RemoteObject) -> bytes | None:
+        """The footer bytes kept for this version of ``obj`` by an earlier read, or None."""
+        return None if self._footers is None else self._footers.get(self.kind, obj)
+
+    def _keep_footer(self, obj: RemoteObject, footer: bytes) -> None:
+        """Keep ``footer`` for this version of ``obj``: call only once it is checked (read twice, or
+        found in the object's whole bytes)."""
+        if self._footers is not None:
+            self._footers.put(self.kind, obj, footer)
+
+    def _forget_footer(self, obj: RemoteObject) -> None:
+        """Read ``obj``'s footer afresh next time (damage is suspected): from memory and from disk."""
+        if self._parsed is not None:
+            self._parsed.cache_clear()
+        if self._footers is not None:
+            self._footers.forget(self.kind, obj)

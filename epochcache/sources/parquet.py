@@ -28,6 +28,7 @@ from fsspec.parquet import AlreadyBufferedFile
 from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import RemoteObject, Unit
 from epochcache.sources.files import FileSource
+from epochcache.sources.footers import FooterStore
 from epochcache.sources.pool import release_unused
 from epochcache.sources.remote import blank_image
 from epochcache.sources.wholes import KEEP_BYTES, WHOLE_OBJECT_BYTES, WholeObjects, footer_differs
@@ -36,7 +37,6 @@ _SUFFIXES = (".parquet", ".parq")
 # pyarrow reads this much of the tail in its first footer read; serving it from one GET keeps
 # footer parsing to a single request for typical files.
 _TAIL_BYTES = 64 * 1024
-_FOOTER_CACHE = 256
 # Unwanted bytes between two wanted column chunks below this are read through rather than asked
 # for in a second request (a request costs about as much as this many bytes on a fast link).
 _GAP_BYTES = 1 << 20
@@ -50,9 +50,10 @@ class ParquetSource(FileSource):
     def __init__(
         self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None,
         whole_object_bytes: int = WHOLE_OBJECT_BYTES, keep_bytes: int = KEEP_BYTES,
+        footers: FooterStore | None = None,
     ) -> None:
-        super().__init__(url, columns, storage_options)
-        self._metadata = functools.lru_cache(maxsize=_FOOTER_CACHE)(self._read_metadata)
+        super().__init__(url, columns, storage_options, footers)
+        self._metadata = self._footer_cache(self._read_metadata)
         self._wholes = WholeObjects(self._remote, self._checked_metadata, whole_object_bytes, keep_bytes)
 
     def units(self, obj: RemoteObject) -> list[Unit]:
@@ -75,8 +76,15 @@ class ParquetSource(FileSource):
         # Decodes allocate from the default pool (mimalloc), which keeps what a thread allocated, and
         # the daemon has since let go, for that thread: handed back here, before this thread's next.
         release_unused()
-        if self._whole(unit.obj):
-            return self._read_whole(unit)
+        try:
+            return self._read_whole(unit) if self._whole(unit.obj) else self._read_ranges(unit)
+        except CorruptObjectError:
+            # the footer may be what is wrong (it has no checksum): read it afresh on the retry
+            self._forget_footer(unit.obj)
+            raise
+
+    def _read_ranges(self, unit: Unit) -> pa.Table:
+        """The row group from ranged GETs of its column chunks."""
         metadata = self._metadata(unit.obj)
         runs = self._byte_ranges(metadata, unit)
         # The file's bytes up to the unit's last one, at their offsets, in an anonymous mapping:
@@ -99,8 +107,9 @@ class ParquetSource(FileSource):
         else one of the two was damaged in transit, and both are read again on the retry."""
         metadata = _footer(obj.path, pa.BufferReader(data))
         if not metadata.equals(self._metadata(obj)):
-            self._metadata.cache_clear()
             raise footer_differs(obj)
+        view = memoryview(data)
+        self._keep_footer(obj, bytes(view[len(view) - 8 - int.from_bytes(view[-8:-4], "little") :]))
         return metadata
 
     def _decode(self, unit: Unit, data: pa.Buffer, metadata: pq.FileMetaData) -> pa.Table:
@@ -112,8 +121,6 @@ class ParquetSource(FileSource):
                                     page_checksum_verification=True)
             table = reader.read_row_group(unit.index, columns=self.columns, use_threads=False)
         except (pa.ArrowInvalid, OSError, ValueError, IndexError) as exc:
-            # the footer may be what is damaged (it has no checksum): read it afresh on the retry
-            self._metadata.cache_clear()
             raise CorruptObjectError(f"{unit.obj.path} row group {unit.index} ({unit.key}) is unreadable: "
                                      f"{' '.join(str(exc).split())}") from exc
         first = sum(metadata.row_group(i).num_rows for i in range(unit.index))
@@ -124,8 +131,27 @@ class ParquetSource(FileSource):
         return self.columns is None and self._wholes.wanted(obj)
 
     def _read_metadata(self, obj: RemoteObject) -> pq.FileMetaData:
-        tail_start = max(0, obj.size - _TAIL_BYTES)
-        tail = self._remote.fetch(obj, tail_start, obj.size)
+        """The footer's metadata: kept from an earlier read of this version (:meth:`_stored_footer`),
+        else read from the tail, confirmed by a second read where the whole object will not check it."""
+        footer = self._stored_footer(obj)
+        if footer is None:
+            footer = self._fetch_footer(obj)
+        # pyarrow's first read is of the last 64 KiB (or the whole file): bytes before the footer are
+        # never looked at, so zeros stand in for them
+        tail = bytes(max(0, min(obj.size, _TAIL_BYTES) - len(footer))) + footer
+        try:
+            metadata = _footer(obj.path, _buffered(obj.path, obj.size, {(obj.size - len(tail), obj.size): tail}))
+        except CorruptObjectError:
+            self._forget_footer(obj)
+            raise
+        self._check_columns(obj.path, metadata)
+        if not self._whole(obj):  # (a whole object's is kept once checked against its bytes)
+            self._keep_footer(obj, footer)
+        return metadata
+
+    def _fetch_footer(self, obj: RemoteObject) -> bytes:
+        """The footer's bytes (its metadata, length and magic) from a GET of the object's tail."""
+        tail = self._remote.fetch(obj, max(0, obj.size - _TAIL_BYTES), obj.size)
         if len(tail) < 8 or tail[-4:] != b"PAR1":
             raise CorruptObjectError(f"{obj.path} is not a Parquet file (no PAR1 magic at its end)")
         needed = int.from_bytes(tail[-8:-4], "little") + 8
@@ -133,13 +159,11 @@ class ParquetSource(FileSource):
             raise CorruptObjectError(f"{obj.path} is not a Parquet file (its footer length {needed} exceeds "
                                      "its size)")
         if needed > len(tail):
-            tail_start = obj.size - needed
-            tail = self._remote.fetch(obj, tail_start, obj.size)
+            tail = self._remote.fetch(obj, obj.size - needed, obj.size)
+        footer = tail[len(tail) - needed :]
         if not self._whole(obj):
-            self._remote.confirm(obj, obj.size - needed, tail[len(tail) - needed :])
-        metadata = _footer(obj.path, _buffered(obj.path, obj.size, {(tail_start, obj.size): tail}))
-        self._check_columns(obj.path, metadata)
-        return metadata
+            self._remote.confirm(obj, obj.size - needed, footer)
+        return footer
 
     def _check_columns(self, path: str, metadata: pq.FileMetaData) -> None:
         if self.columns is None:

@@ -52,6 +52,7 @@ from epochcache.cache.publisher import Publisher
 from epochcache.cache.repair import reconcile
 from epochcache.config import Config
 from epochcache.sources import Unit, open_source
+from epochcache.sources.footers import FooterStore
 from epochcache.sources.retry import Retrier
 from epochcache.sync.assembly import Building, screen
 from epochcache.sync.claims import Claims
@@ -111,16 +112,21 @@ class SyncDaemon:
         stop = stop or threading.Event()
         with frozen_heap(), exclusive(self.layout.lock), _stop_on_signals(stop):
             ledger = Ledger(self.layout.ledger, self._connect)
+            footers = None
             try:
                 if until_written(lambda: reconcile(self.layout, ledger), stop, "start") is None:
                     return SyncReport()  # stopped before it began
+                charge = self.config.cache.footer_charge()
+                footers = FooterStore(self.layout.footers, charge) if charge else None
                 # (the ledger's share is taken at the start: it grows a little as the cache fills, and
                 # the publisher's own check stays the last word)
-                unit_room = int(self.config.cache.max_bytes) - ledger.disk_bytes() - PUBLISH_GROWTH
-                streams = [Stream(cfg, open_source(cfg, self.config.sampler), largest_unit=unit_room)
+                unit_room = self.config.cache.shard_budget() - ledger.disk_bytes() - PUBLISH_GROWTH
+                streams = [Stream(cfg, open_source(cfg, self.config.sampler, footers), largest_unit=unit_room)
                            for cfg in self.config.sources]
                 return _Run(self, ledger, streams, stop, once).execute()
             finally:
+                if footers is not None:
+                    footers.close()
                 ledger.close()
 
 
@@ -158,7 +164,7 @@ class _Run:
         # disable=None: a bar on a terminal, none when output goes to a file or pipe.
         show = daemon._progress
         # With once, the bar runs to the budget's free room: where the run ends, if the remote is larger.
-        room = max(0, int(self.cfg.cache.max_bytes) - usage.total) if once else None
+        room = max(0, self.cfg.cache.shard_budget() - usage.total) if once else None
         self.bar = tqdm(desc="sync", total=room, unit="B", unit_scale=True, unit_divisor=1024,
                         disable=None if show is None else not show)
         self.intake = Intake(self.report, self.bar, Throttle(sampler.max_bytes_per_s, stop), daemon.on_fetch,

@@ -3,7 +3,8 @@
 Flow: Config -> :func:`clear_cache` -> counts of what was deleted. Under the daemon lock (so no sync
 daemon runs, and none starts meanwhile) and only while no trainer holds a live lease, it deletes the
 shard files, the quarantined shards, then the ledger (with it the dataset identity, the cursor, the
-listing and the skipped units), and leaves the empty folders of a fresh cache.
+listing and the skipped units) and the remote files' footers, and leaves the empty folders of a fresh
+cache.
 
 Invariant: shard files go before the ledger, so a clear interrupted half-way leaves records without
 files (dropped at the next daemon start) and never unrecorded shards of the old dataset that a
@@ -42,7 +43,7 @@ def existing_layout(config: Config, ledger_lost: bool = False) -> CacheLayout:
 
 
 def clear_cache(config: Config, progress: bool | None = False) -> dict[str, int]:
-    """Delete every shard, quarantined shard and the ledger of ``config.cache.dir``; returns
+    """Delete every shard, quarantined shard, the ledger and the footers of ``config.cache.dir``; returns
     ``{"shards": n, "quarantined": n, "bytes": n}`` deleted (``progress``: a bar of the files, see
     :mod:`epochcache.cache.progress`). Raises :class:`DaemonRunningError` while a daemon (or verify
     --fix / gc) holds the lock, :class:`CacheError` while a trainer's lease is live."""
@@ -52,6 +53,8 @@ def clear_cache(config: Config, progress: bool | None = False) -> dict[str, int]
         shards, shard_bytes = _empty(layout.shards, progress)
         quarantined, quarantined_bytes = _empty(layout.quarantine, progress)
         shutil.rmtree(layout.ledger)
+        if layout.footers.exists():  # (absent where the daemon kept none)
+            shutil.rmtree(layout.footers)
         CacheLayout.create(layout.root)
     return {"shards": shards, "quarantined": quarantined, "bytes": shard_bytes + quarantined_bytes}
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import diskcache
 import fsspec
 import numpy as np
 import pyarrow as pa
@@ -26,6 +27,7 @@ from conftest import make_table
 from epochcache.config import SamplerConfig, SourceConfig
 from epochcache.errors import CorruptObjectError, ObjectMissingError, SourceError
 from epochcache.sources import KEY_COLUMN, RemoteObject, Source, open_source
+from epochcache.sources.footers import FooterStore
 
 OBJECTS, UNITS_PER_FILE, ROWS_PER_UNIT = 3, 4, 40
 
@@ -133,9 +135,10 @@ def dataset(fmt: Format, where: tuple[Any, str, dict[str, Any]]) -> tuple[Any, s
 
 
 def _source(fmt: Format, dataset: tuple[Any, str, dict[str, Any]], sampler: SamplerConfig | None = None,
-            **kwargs: Any) -> Source:
+            footers: FooterStore | None = None, **kwargs: Any) -> Source:
     fs, root, options = dataset
-    return open_source(SourceConfig(url=_url(fs, root), format=fmt.name, storage_options=options, **kwargs), sampler)
+    config = SourceConfig(url=_url(fs, root), format=fmt.name, storage_options=options, **kwargs)
+    return open_source(config, sampler, footers)
 
 
 def test_lists_only_its_objects_sorted(fmt: Format, dataset: tuple[Any, str, dict[str, Any]]) -> None:
@@ -223,6 +226,108 @@ def test_small_objects_are_read_whole_in_one_get(
     assert all(table.equals(ranged.read(unit)) for unit, table in zip(units, tables, strict=True))
     source.read(units[0])  # every unit was read, so the object was let go: fetched again
     assert counter.calls == (3 if remote else 2 + len(units))
+
+
+def _counted(source: Source, monkeypatch: pytest.MonkeyPatch) -> CallCounter:
+    counter = CallCounter(source._remote._read)  # type: ignore[attr-defined]
+    monkeypatch.setattr(source._remote, "_read", counter)  # type: ignore[attr-defined]
+    return counter
+
+
+# Footers are kept for the formats that have them, read over a network (a local file's footer is read
+# again: that costs no request).
+footed = pytest.mark.parametrize(("fmt", "where"), [(FORMATS[0], "s3"), (FORMATS[1], "s3")],
+                                 ids=["parquet-s3", "arrow-s3"], indirect=["where"])
+
+
+RANGED = SamplerConfig(whole_object_bytes=0)
+
+
+@footed
+@pytest.mark.parametrize("sampler", [RANGED, SamplerConfig()], ids=["ranged", "whole"])
+def test_a_footer_kept_on_disk_is_not_read_again(
+    fmt: Format, dataset: tuple[Any, str, dict[str, Any]], sampler: SamplerConfig, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    footers = FooterStore(tmp_path / "footers", 2**20)
+    first = _source(fmt, dataset, sampler, footers)
+    objects = first.list_objects()
+    counter = _counted(first, monkeypatch)
+    for obj in objects:
+        [first.read(unit) for unit in first.units(obj)]  # a whole object's footer is kept once checked
+    whole = sampler.whole_object_bytes > 0
+    assert counter.calls == len(objects) * (2 if whole else 2 + fmt.units_per_object), "tail (+ confirm) + units"
+    # A new source (a later pass, a restart, or footers gone from memory in a wide mixing window)
+    again = _source(fmt, dataset, sampler, footers)
+    counter = _counted(again, monkeypatch)
+    units = [unit for obj in objects for unit in again.units(obj)]
+    assert counter.calls == 0, "no footer read again"
+    ids = sorted(i for unit in units for i in fmt.ids(again.read(unit)))
+    assert ids == list(range(fmt.total))
+    assert counter.calls == (len(objects) if whole else len(units)), "only the units' GETs"
+
+
+@footed
+def test_a_rewritten_object_is_not_answered_with_its_old_footer(
+    fmt: Format, dataset: tuple[Any, str, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fs, root, _ = dataset
+    footers = FooterStore(tmp_path / "footers", 2**20)
+    first = _source(fmt, dataset, RANGED, footers)
+    old = first.list_objects()[0]
+    assert len(first.units(old)) == fmt.units_per_object
+    fmt.write(fs, root, 0, make_table(ROWS_PER_UNIT, 10_000))  # one unit now, of other rows
+    again = _source(fmt, dataset, RANGED, footers)
+    new = next(obj for obj in again.list_objects() if obj.path == old.path)
+    assert new.etag != old.etag
+    counter = _counted(again, monkeypatch)
+    units = again.units(new)
+    assert counter.calls == 2, "the new version's footer read (and confirmed)"
+    assert len(units) == 1 and fmt.ids(again.read(units[0])) == list(range(10_000, 10_000 + ROWS_PER_UNIT))
+
+
+@footed
+def test_a_footer_damaged_on_disk_is_read_from_the_remote_again(
+    fmt: Format, dataset: tuple[Any, str, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    footers = FooterStore(tmp_path / "footers", 2**20)
+    first = _source(fmt, dataset, RANGED, footers)
+    obj = first.list_objects()[0]
+    first.units(obj)
+    footers.close()
+    with diskcache.Cache(str(tmp_path / "footers")) as raw:  # the store's own files, damaged on disk
+        (key,) = list(raw)
+        value = bytearray(raw[key])
+        value[len(value) // 2] ^= 0x10
+        raw[key] = bytes(value)
+    again = _source(fmt, dataset, RANGED, FooterStore(tmp_path / "footers", 2**20))
+    counter = _counted(again, monkeypatch)
+    units = again.units(obj)
+    assert counter.calls == 2, "read from the remote, not from the damaged entry"
+    assert "damaged on disk" in caplog.text
+    assert sorted(i for unit in units for i in fmt.ids(again.read(unit))) == list(range(fmt.rows_per_object))
+
+
+@footed
+def test_a_kept_footer_that_fails_a_decode_is_dropped(
+    fmt: Format, dataset: tuple[Any, str, dict[str, Any]], tmp_path: Path
+) -> None:
+    fs, root, _ = dataset
+    footers = FooterStore(tmp_path / "footers", 2**20)
+    source = _source(fmt, dataset, RANGED, footers)
+    objects = source.list_objects()
+    fmt.write(fs, root, 9, make_table(4 * ROWS_PER_UNIT + 7, 0))  # another layout: its footer misplaces units
+    other = next(obj for obj in _source(fmt, dataset).list_objects() if obj.path.endswith(f"-009{fmt.suffix}"))
+    footers.put(source.kind, objects[0], _source(fmt, dataset, RANGED)._fetch_footer(other))  # type: ignore[attr-defined]
+    # Trusted at first (its checksum holds): the object's units, or their reads, do not add up
+    with pytest.raises(CorruptObjectError):
+        for unit in source.units(objects[0]):
+            source.read(unit)
+    again = _source(fmt, dataset, RANGED, footers)  # the retry, on a source with nothing in memory
+    units = again.units(objects[0])
+    assert len(units) == fmt.units_per_object
+    assert sorted(i for unit in units for i in fmt.ids(again.read(unit))) == list(range(fmt.rows_per_object))
 
 
 def test_a_missing_object_is_object_missing(fmt: Format, dataset: tuple[Any, str, dict[str, Any]]) -> None:

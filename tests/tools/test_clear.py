@@ -13,6 +13,8 @@ from epochcache.cache.ledger import Ledger
 from epochcache.cache.lockfile import exclusive
 from epochcache.config import Config
 from epochcache.errors import CacheError, DaemonRunningError
+from epochcache.sources.base import RemoteObject
+from epochcache.sources.footers import FooterStore
 from epochcache.tools.clear import clear_cache
 
 
@@ -31,10 +33,13 @@ def test_clear_deletes_shards_quarantine_and_ledger_then_a_daemon_refills(
     ledger.daemon.set_identity({"sources": ["old"]})
     ledger.close()
     (layout.shards / shards[0].filename).rename(layout.quarantine / shards[0].filename)  # as a reader does
+    footers = FooterStore(layout.footers, 2**20)  # as a daemon reading a remote over a network keeps them
+    footers.put("Parquet", RemoteObject("bucket/a.parquet", 100, '"1"'), b"footer")
+    footers.close()
 
     done = clear_cache(config)
     assert done["shards"] == len(shards) - 1 and done["quarantined"] == 1 and done["bytes"] > 0
-    assert _files(layout.shards) == [] and _files(layout.quarantine) == []
+    assert _files(layout.shards) == [] and _files(layout.quarantine) == [] and not layout.footers.exists()
     ledger = Ledger(layout.ledger)
     state = ledger.daemon
     assert (ledger.shards(), state.identity(), state.cursor(), state.skipped()) == ([], None, None, {})

@@ -83,7 +83,7 @@ def test_verify_fix_rebuilds_a_lost_ledger_from_the_shards(tmp_path: Path, capsy
     ("cache.low_watermark=2", "cache.low_watermark = 2: Input should be less than or equal to 1 or 'auto'"),
     ("sampler.mix_units=0", "sampler.mix_units = 0: Input should be greater than or equal to 1 or 'auto'"),
     ("cache.max-bytes=5GB", "cache.max-bytes: unknown key; valid keys here: dir, eviction,"),
-    ("cache=5", "cache = 5: must be a section of keys (dir, eviction, low_watermark, max_bytes,"),
+    ("cache=5", "cache = 5: must be a section of keys (dir, eviction, footer_bytes, low_watermark,"),
     ("source.weight=2", "--set source.weight=2: (top level): source.weight applies only to entries of a sources:"),
     ("cache.max_bytes", "--set 'cache.max_bytes' is not of the form section.name=value, e.g. --set cache.max_bytes"),
 ])

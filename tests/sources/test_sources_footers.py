@@ -1,0 +1,50 @@
+"""FooterStore: footers by object version on disk, within the budget it is given."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from epochcache.sources.base import RemoteObject
+from epochcache.sources.footers import FooterStore
+
+BUDGET = 2**20
+
+
+def _bytes_under(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_the_store_stays_within_its_budget_dropping_the_oldest(tmp_path: Path) -> None:
+    store = FooterStore(tmp_path / "footers", BUDGET)
+    objects = [RemoteObject(f"bucket/part-{n:04d}.parquet", 10**6, f'"{n:032x}"') for n in range(300)]
+    footers = [os.urandom(8192) for _ in objects]
+    peak = 0
+    for obj, footer in zip(objects, footers, strict=True):
+        store.put("Parquet", obj, footer)
+        peak = max(peak, _bytes_under(tmp_path / "footers"))
+    assert peak <= BUDGET, f"{peak} bytes on disk for a budget of {BUDGET}"
+    assert store.get("Parquet", objects[-1]) == footers[-1], "the newest is kept"
+    assert store.get("Parquet", objects[0]) is None, "the oldest went to make room"
+    kept = sum(store.get("Parquet", obj) == footer for obj, footer in zip(objects, footers, strict=True))
+    assert BUDGET // 3 < kept * 8192 <= BUDGET, "most of the budget holds footers"
+    store.close()
+
+
+def test_a_footer_is_kept_per_format_and_version_only(tmp_path: Path) -> None:
+    store = FooterStore(tmp_path / "footers", BUDGET)
+    obj = RemoteObject("bucket/a.parquet", 1000, '"0123456789abcdef0123456789abcdef"')
+    store.put("Parquet", obj, b"footer")
+    assert store.get("Parquet", obj) == b"footer"
+    assert store.get("Arrow IPC", obj) is None
+    assert store.get("Parquet", RemoteObject(obj.path, obj.size, '"ffffffffffffffffffffffffffffffff"')) is None
+    assert store.get("Parquet", RemoteObject(obj.path, obj.size + 1, obj.etag)) is None
+    unpinned = RemoteObject("bucket/b.parquet", 1000, None)
+    store.put("Parquet", unpinned, b"footer")
+    assert store.get("Parquet", unpinned) is None, "nothing pins a version without an ETag"
+    large = RemoteObject("bucket/c.parquet", 10**7, '"1"')
+    store.put("Parquet", large, bytes(BUDGET // 16 + 1))
+    assert store.get("Parquet", large) is None, "a footer over a sixteenth of the budget is not kept"
+    store.forget("Parquet", obj)
+    assert store.get("Parquet", obj) is None
+    store.close()

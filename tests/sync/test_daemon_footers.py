@@ -1,0 +1,67 @@
+"""The daemon keeps remote footers on disk: a pass, a restart or a wide mixing window reads none twice,
+and the footers' files stay within their share of the budget (through a proxy that records every GET)."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import DaemonThread, wait_for, write_parquet_dataset
+from faultproxy import FaultProxy
+
+from epochcache import SyncDaemon
+from epochcache.config import Config
+from epochcache.sync.report import StopReason
+
+FILES, ROWS, ROWS_PER_GROUP = 4, 256, 64
+_RANGE = re.compile(rb"(?im)^range: *bytes=(\d+)-(\d+)\r\n")
+
+
+@pytest.fixture
+def proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
+    proxy = FaultProxy(s3_endpoint, rate=0.0, seed=5)
+    yield proxy
+    proxy.close()
+
+
+def _tail_gets(proxy: FaultProxy, sizes: dict[str, int]) -> int:
+    """Object GETs forwarded whose range ends at the object's last byte: its footer's reads."""
+    count = 0
+    for head in proxy.object_get_heads:
+        path = head.split(b" ")[1].split(b"?")[0].decode()
+        ranged = _RANGE.search(head)
+        count += bool(ranged and int(ranged[2]) == sizes[path] - 1)
+    return count
+
+
+def _bytes_under(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_a_restarted_daemon_reads_no_footer_again_within_the_budget(
+    s3: Any, bucket: str, proxy: FaultProxy, make_config: Callable[..., Config]
+) -> None:
+    paths = write_parquet_dataset(s3, f"{bucket}/data", files=FILES, rows_per_file=ROWS, rows_per_group=ROWS_PER_GROUP)
+    sizes = {f"/{path}": s3.size(path) for path in paths}
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url}}
+    config = make_config(f"s3://{bucket}/data", **{
+        "source.storage_options": options, "sampler.whole_object_bytes": 0, "cache.shard_bytes": "64KiB",
+        "cache.max_bytes": "2MiB", "cache.footer_bytes": "1MiB", "cache.min_uses": 0,
+    })
+    first = SyncDaemon(config, progress=False).run(once=True)
+    assert first.reason is StopReason.BUDGET_FULL and 0 < first.samples_published < FILES * ROWS
+    assert _tail_gets(proxy, sizes) == 2 * FILES, "each footer read, then confirmed, once"
+    proxy.object_get_heads.clear()
+
+    published = threading.Event()
+    restarted = DaemonThread(SyncDaemon(config, progress=False, on_publish=lambda _: published.set()))
+    wait_for(published.is_set)  # units read and a shard published, evicting: the pass goes on
+    restarted.stop()
+    assert proxy.object_get_heads, "the restarted daemon read units"
+    assert _tail_gets(proxy, sizes) == 0, "no footer read again"
+    assert _bytes_under(Path(config.cache.dir)) <= int(config.cache.max_bytes)
+    assert (Path(config.cache.dir) / "footers").is_dir()
