@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from epochcache.sources.base import RemoteObject
 from epochcache.sources.footers import FooterStore
 
 BUDGET = 2**20
+OBJ = RemoteObject("bucket/a.parquet", 1000, '"0123456789abcdef0123456789abcdef"')
 
 
 def _bytes_under(root: Path) -> int:
@@ -33,7 +38,7 @@ def test_the_store_stays_within_its_budget_dropping_the_oldest(tmp_path: Path) -
 
 def test_a_footer_is_kept_per_format_and_version_only(tmp_path: Path) -> None:
     store = FooterStore(tmp_path / "footers", BUDGET)
-    obj = RemoteObject("bucket/a.parquet", 1000, '"0123456789abcdef0123456789abcdef"')
+    obj = OBJ
     store.put("Parquet", obj, b"footer")
     assert store.get("Parquet", obj) == b"footer"
     assert store.get("Arrow IPC", obj) is None
@@ -48,3 +53,38 @@ def test_a_footer_is_kept_per_format_and_version_only(tmp_path: Path) -> None:
     store.forget("Parquet", obj)
     assert store.get("Parquet", obj) is None
     store.close()
+
+
+def test_a_store_damaged_on_disk_is_emptied_and_made_afresh(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = FooterStore(tmp_path / "footers", BUDGET)
+    store.put("Parquet", OBJ, b"footer")
+    store.close()
+    for name in os.listdir(tmp_path / "footers"):  # a crash, a bad disk: the database is garbage now
+        (tmp_path / "footers" / name).write_bytes(os.urandom(8192))
+    store = FooterStore(tmp_path / "footers", BUDGET)
+    assert "is damaged" in caplog.text
+    assert store.get("Parquet", OBJ) is None
+    store.put("Parquet", OBJ, b"footer again")
+    assert store.get("Parquet", OBJ) == b"footer again"
+    store.close()
+
+
+class _FullDisk:
+    """A diskcache whose every operation fails as SQLite does on a full disk."""
+
+    def _full(self, *args: Any) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    get = set = delete = _full
+
+
+def test_a_store_that_fails_is_switched_off_and_reads_go_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = FooterStore(tmp_path / "footers", BUDGET)
+    store.put("Parquet", OBJ, b"footer")
+    store._cache = _FullDisk()  # type: ignore[assignment]
+    store.put("Parquet", RemoteObject("bucket/b.parquet", 1000, '"1"'), b"footer")  # no error escapes
+    assert caplog.text.count("footers are no longer kept") == 1 and "disk is full" in caplog.text
+    assert store.get("Parquet", OBJ) is None, "switched off: nothing served, not even what was kept"
+    store.forget("Parquet", OBJ)
+    store.put("Parquet", OBJ, b"footer")
+    assert caplog.text.count("footers are no longer kept") == 1, "said once"
