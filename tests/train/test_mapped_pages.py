@@ -129,7 +129,8 @@ class _ShardResidence:
         return {**batch, "resident": torch.tensor(resident)}
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+# (with workers: forked processes, several seconds; plain pytest runs the thread's case)
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_bounded_mapped_pages_stay_near_the_bound_and_give_the_same_batches(
     synced_cache: Callable[..., Config], workers: int
 ) -> None:
