@@ -122,15 +122,14 @@ class ArrowSource(FileSource):
         """The footer: kept from an earlier read of this version (:meth:`_stored_footer`), else read
         from a GET of the object's tail, confirmed by a second read where the object's whole read
         will not check it (a larger object over a network)."""
-        tail = self._stored_footer(obj)
-        if tail is None:
-            tail = self._fetch_footer(obj)
+        stored = self._stored_footer(obj)
+        tail = self._fetch_footer(obj) if stored is None else stored
         try:
             footer = self._parse_footer(obj, tail)
         except CorruptObjectError:
             self._forget_footer(obj)
             raise
-        if not self._wholes.wanted(obj):  # (a whole object's is kept once checked against its bytes)
+        if stored is None and not self._wholes.wanted(obj):  # (a whole object's: once checked against its bytes)
             self._keep_footer(obj, tail)
         return footer
 

@@ -36,7 +36,8 @@ class FileSource:
 
     ``columns`` None means all; an empty list is refused, since it would cache rows of nothing.
     ``footers``: where the formats with footers (Parquet, Arrow IPC) keep them between passes and
-    runs, for objects read over a network (local files' are read again: that costs no request).
+    runs, for objects read over S3, where every read is pinned to the listed ETag (elsewhere a
+    version is not pinned, and a local file's footer costs no request).
     """
 
     suffixes: tuple[str, ...] = ()
@@ -54,7 +55,7 @@ class FileSource:
         self.url = url
         self.columns = list(columns) if columns is not None else None
         self._remote = RemoteFiles(url, storage_options)
-        self._footers = None if self._remote.local else footers
+        self._footers = footers if self._remote.is_s3 else None
         self._parsed: Any = None  # see _footer_cache
 
 

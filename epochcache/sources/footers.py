@@ -11,7 +11,9 @@ Invariants: a version is keyed by its ETag, so a rewritten object is never answe
 footer; bytes come back only if their xxh64, stored with them, still matches (a damaged entry is
 dropped and read from the remote again); the store's files stay within the budget it is given, which
 the daemon sets apart from ``cache.max_bytes`` (:meth:`epochcache.config.CacheConfig.footer_charge`).
-Objects without an ETag (stores that give none) are not kept: nothing would pin them.
+Objects without an ETag are not kept, and the sources keep footers only of objects read over S3,
+where every read is pinned to the listed ETag: elsewhere a rewrite in the same second at the same
+size could keep the same version tag (``<mtime>-<size>``).
 Values are raw bytes in diskcache's SQLite (no pickle); one connection per thread that uses it.
 """
 
@@ -27,6 +29,7 @@ from typing import TypeVar
 import diskcache
 import xxhash
 
+from epochcache.config import FOOTER_STORE_LEAST
 from epochcache.sources.base import RemoteObject
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,8 @@ log = logging.getLogger(__name__)
 _WAL_PAGES = 32
 _WAL_BYTES = 256 * 1024
 _DIGEST = 8  # bytes of xxh64 before the footer
+_LARGEST_SHARE = 32  # a footer over this fraction of the budget is not kept
+_LOCK_WAIT_S = 5.0  # a store locked longer (only the daemon's threads write it) is switched off
 # What a store that cannot be used raises: SQLite's errors (a full disk, a damaged or locked database),
 # the file system's, and diskcache's own for a database locked past its timeout.
 _STORE_ERRORS = (sqlite3.Error, OSError, diskcache.Timeout)
@@ -44,17 +49,18 @@ _T = TypeVar("_T")
 
 class FooterStore:
     """Footers by object version in ``directory`` (made if missing), its files within ``budget`` bytes:
-    the oldest stored go first; a footer over a sixteenth of the budget is not kept.
+    the oldest stored go first; a footer over :data:`_LARGEST_SHARE` of the budget is not kept.
 
     A store that fails (a full disk, a damaged database) costs requests, never a read: it is switched
     off for the rest of the run with one warning, and every footer is then read from the remote. A
     database damaged before it opens is emptied and made afresh."""
 
     def __init__(self, directory: str | Path, budget: int) -> None:
-        self._largest = budget // 16
-        # diskcache culls once the database is over size_limit, after a store: over it by at most one
-        # footer, with as much again in the log until the checkpoint (the page size aside).
-        self._size_limit = budget - 2 * self._largest - _WAL_BYTES
+        self._largest = budget // _LARGEST_SHARE
+        # The files' most, at a checkpoint after a store: the database over the size limit by one
+        # footer, the log holding that footer's pages (and a cull's, one footer's pages moved by
+        # auto-vacuum, in a transaction of its own), beyond its own reserve.
+        self._size_limit = budget - 3 * self._largest - _WAL_BYTES
         if self._size_limit <= 0:
             raise ValueError(f"a footer store of {budget} bytes has no room for footers: give it at least 1MiB")
         self._directory = Path(directory)
@@ -63,24 +69,27 @@ class FooterStore:
         try:
             self._cache = self._open()
         except _STORE_ERRORS as exc:
-            # (OperationalError, a full disk or a lock, is a DatabaseError too, but says nothing of the file)
-            if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
-                log.warning("the footer store %s is damaged (%s): emptied", self._directory, exc)
-                self._cache = self._guarded(self._reopen_empty)
-            else:
+            if not _damaged(exc):
                 self._switch_off(exc)
+                return
+            log.warning("the footer store %s is damaged (%s): emptied", self._directory, exc)
+            self._cache = self._guarded(self._reopen_empty)
 
     def _reopen_empty(self) -> diskcache.Cache:
         shutil.rmtree(self._directory)
         return self._open()
 
     def _open(self) -> diskcache.Cache:
-        return diskcache.Cache(
+        cache = diskcache.Cache(
             str(self._directory), size_limit=self._size_limit, eviction_policy="least-recently-stored",
+            timeout=_LOCK_WAIT_S,
+            cull_limit=0,  # culled by _trim, one footer per transaction: diskcache's 10 at once log 10 footers
             disk_min_file_size=2**31,  # every value in the database: its size is what the limit counts
             sqlite_cache_size=-1024,  # KiB per connection (a connection per thread): not diskcache's 32 MiB
             sqlite_mmap_size=0, sqlite_wal_autocheckpoint=_WAL_PAGES, sqlite_journal_size_limit=_WAL_BYTES // 2,
         )
+        _trim(cache)  # (a store kept under a larger share than this run's)
+        return cache
 
     def get(self, kind: str, obj: RemoteObject) -> bytes | None:
         """The footer stored for this version of ``obj`` read as ``kind``, or None (none stored, no
@@ -106,7 +115,7 @@ class FooterStore:
         cache = self._cache
         if key is not None and cache is not None and len(footer) <= self._largest:
             value = xxhash.xxh64_digest(footer) + bytes(footer)
-            self._guarded(lambda: cache.set(key, value))
+            self._guarded(lambda: _store(cache, key, value))
 
     def forget(self, kind: str, obj: RemoteObject) -> None:
         """Drop the footer of ``obj`` (suspected damaged: its next read goes to the remote)."""
@@ -133,6 +142,46 @@ class FooterStore:
         if not self._said_off:
             log.warning("footers are no longer kept in %s (each is read from the remote): %s", self._directory, exc)
         self._said_off, self._cache = True, None
+        if _damaged(exc):  # made afresh by the next run, not found damaged by each
+            try:
+                shutil.rmtree(self._directory)
+            except OSError as gone:
+                log.warning("cannot delete the damaged footer store %s: %s", self._directory, gone)
+
+
+def _damaged(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database file is damaged (not a database, malformed). OperationalError,
+    a full disk or a lock, is a DatabaseError too, but says nothing of the file."""
+    return isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError)
+
+
+def daemon_store(directory: Path, share: int, free: int) -> FooterStore | None:
+    """The sync daemon's store in ``directory``: within ``share`` (``cache.footer_bytes`` resolved) and
+    within ``free`` (the bytes of ``cache.max_bytes`` that shards and the ledger leave now: less than
+    the share where a cache was filled before it was set apart, or under a larger budget). None, with
+    what an earlier run kept deleted, where that leaves under :data:`FOOTER_STORE_LEAST`: the budget
+    holds, and footers are read from the remote."""
+    budget = min(share, free)
+    if budget >= FOOTER_STORE_LEAST:
+        return FooterStore(directory, budget)
+    if directory.exists():
+        shutil.rmtree(directory)
+    return None
+
+
+def _store(cache: diskcache.Cache, key: str, value: bytes) -> None:
+    cache.set(key, value)
+    _trim(cache)
+
+
+def _trim(cache: diskcache.Cache) -> None:
+    """Drop the oldest footers, one per transaction, until the database is within its size limit."""
+    while cache.volume() > cache.size_limit:
+        try:
+            oldest, _ = cache.peekitem(last=False)
+        except KeyError:  # empty: what is left is the database's own pages
+            return
+        cache.delete(oldest)
 
 
 def _key(kind: str, obj: RemoteObject) -> str | None:

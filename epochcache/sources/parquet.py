@@ -133,9 +133,8 @@ class ParquetSource(FileSource):
     def _read_metadata(self, obj: RemoteObject) -> pq.FileMetaData:
         """The footer's metadata: kept from an earlier read of this version (:meth:`_stored_footer`),
         else read from the tail, confirmed by a second read where the whole object will not check it."""
-        footer = self._stored_footer(obj)
-        if footer is None:
-            footer = self._fetch_footer(obj)
+        stored = self._stored_footer(obj)
+        footer = self._fetch_footer(obj) if stored is None else stored
         # pyarrow's first read is of the last 64 KiB (or the whole file): bytes before the footer are
         # never looked at, so zeros stand in for them
         tail = bytes(max(0, min(obj.size, _TAIL_BYTES) - len(footer))) + footer
@@ -145,7 +144,7 @@ class ParquetSource(FileSource):
             self._forget_footer(obj)
             raise
         self._check_columns(obj.path, metadata)
-        if not self._whole(obj):  # (a whole object's is kept once checked against its bytes)
+        if stored is None and not self._whole(obj):  # (a whole object's is kept once checked against its bytes)
             self._keep_footer(obj, footer)
         return metadata
 

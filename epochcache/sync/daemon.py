@@ -52,7 +52,7 @@ from epochcache.cache.publisher import Publisher
 from epochcache.cache.repair import reconcile
 from epochcache.config import Config
 from epochcache.sources import Unit, open_source
-from epochcache.sources.footers import FooterStore
+from epochcache.sources.footers import FooterStore, daemon_store
 from epochcache.sources.retry import Retrier
 from epochcache.sync.assembly import Building, screen
 from epochcache.sync.claims import Claims
@@ -112,12 +112,13 @@ class SyncDaemon:
         stop = stop or threading.Event()
         with frozen_heap(), exclusive(self.layout.lock), _stop_on_signals(stop):
             ledger = Ledger(self.layout.ledger, self._connect)
-            footers = None
+            footers: FooterStore | None = None
             try:
                 if until_written(lambda: reconcile(self.layout, ledger), stop, "start") is None:
                     return SyncReport()  # stopped before it began
-                charge = self.config.cache.footer_charge()
-                footers = FooterStore(self.layout.footers, charge) if charge else None
+                cache = self.config.cache
+                footers = daemon_store(self.layout.footers, cache.footer_charge(),
+                                       int(cache.max_bytes) - ledger.usage().total)
                 # (the ledger's share is taken at the start: it grows a little as the cache fills, and
                 # the publisher's own check stays the last word)
                 unit_room = self.config.cache.shard_budget() - ledger.disk_bytes() - PUBLISH_GROWTH

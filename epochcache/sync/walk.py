@@ -124,7 +124,7 @@ class Walk:
         of ``listing``, saying what ``auto`` chose."""
         sampler = self.config.sampler
         weights = sum(source.weight for source in self.config.sources)
-        budget = max(1, int(int(self.config.cache.max_bytes) * stream.config.weight / weights))
+        budget = max(1, int(self.config.cache.shard_budget() * stream.config.weight / weights))
         remote_bytes = None
         if "auto" in (sampler.row_fraction, sampler.mix_units) and stream.node_bytes:
             ratio = self._cached_per_listed(stream, listing)

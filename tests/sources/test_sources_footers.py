@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from epochcache.sources.base import RemoteObject
-from epochcache.sources.footers import FooterStore
+from epochcache.sources.footers import FooterStore, daemon_store
 
 BUDGET = 2**20
 OBJ = RemoteObject("bucket/a.parquet", 1000, '"0123456789abcdef0123456789abcdef"')
@@ -20,20 +20,42 @@ def _bytes_under(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-def test_the_store_stays_within_its_budget_dropping_the_oldest(tmp_path: Path) -> None:
+@pytest.mark.parametrize("size", [8192, BUDGET // 32], ids=["8KiB", "the largest kept"])
+def test_the_store_stays_within_its_budget_dropping_the_oldest(tmp_path: Path, size: int) -> None:
     store = FooterStore(tmp_path / "footers", BUDGET)
     objects = [RemoteObject(f"bucket/part-{n:04d}.parquet", 10**6, f'"{n:032x}"') for n in range(300)]
-    footers = [os.urandom(8192) for _ in objects]
+    footers = [os.urandom(size) for _ in objects]
     peak = 0
     for obj, footer in zip(objects, footers, strict=True):
         store.put("Parquet", obj, footer)
-        peak = max(peak, _bytes_under(tmp_path / "footers"))
+        peak = max(peak, _bytes_under(tmp_path / "footers"))  # the database, its log and its index
     assert peak <= BUDGET, f"{peak} bytes on disk for a budget of {BUDGET}"
     assert store.get("Parquet", objects[-1]) == footers[-1], "the newest is kept"
     assert store.get("Parquet", objects[0]) is None, "the oldest went to make room"
     kept = sum(store.get("Parquet", obj) == footer for obj, footer in zip(objects, footers, strict=True))
-    assert BUDGET // 3 < kept * 8192 <= BUDGET, "most of the budget holds footers"
+    assert BUDGET // 3 < kept * size <= BUDGET, "most of the budget holds footers"
     store.close()
+
+
+def test_a_store_reopened_within_a_smaller_budget_is_trimmed_to_it(tmp_path: Path) -> None:
+    store = FooterStore(tmp_path / "footers", 4 * BUDGET)
+    for n in range(200):
+        store.put("Parquet", RemoteObject(f"bucket/{n}.parquet", 10**6, f'"{n}"'), os.urandom(16384))
+    store.close()
+    assert _bytes_under(tmp_path / "footers") > 2 * BUDGET
+    FooterStore(tmp_path / "footers", BUDGET).close()
+    assert _bytes_under(tmp_path / "footers") <= BUDGET
+
+
+@pytest.mark.parametrize(("share", "free"), [(0, 10 * BUDGET), (BUDGET, BUDGET - 1)])
+def test_a_daemon_without_room_for_footers_keeps_none_and_deletes_those_kept(
+    tmp_path: Path, share: int, free: int
+) -> None:
+    FooterStore(tmp_path / "footers", BUDGET).put("Parquet", OBJ, b"footer")
+    assert daemon_store(tmp_path / "footers", share, free) is None
+    assert not (tmp_path / "footers").exists()
+    store = daemon_store(tmp_path / "footers", BUDGET, BUDGET)
+    assert store is not None
 
 
 def test_a_footer_is_kept_per_format_and_version_only(tmp_path: Path) -> None:
@@ -69,22 +91,35 @@ def test_a_store_damaged_on_disk_is_emptied_and_made_afresh(tmp_path: Path, capl
     store.close()
 
 
-class _FullDisk:
-    """A diskcache whose every operation fails as SQLite does on a full disk."""
+class _Failing:
+    """A diskcache whose every operation fails with ``error``."""
 
-    def _full(self, *args: Any) -> None:
-        raise sqlite3.OperationalError("database or disk is full")
+    def __init__(self, error: Exception) -> None:
+        self.error = error
 
-    get = set = delete = _full
+    def _fail(self, *args: Any) -> None:
+        raise self.error
+
+    get = set = delete = _fail
 
 
 def test_a_store_that_fails_is_switched_off_and_reads_go_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = FooterStore(tmp_path / "footers", BUDGET)
     store.put("Parquet", OBJ, b"footer")
-    store._cache = _FullDisk()  # type: ignore[assignment]
+    store._cache = _Failing(sqlite3.OperationalError("database or disk is full"))  # type: ignore[assignment]
     store.put("Parquet", RemoteObject("bucket/b.parquet", 1000, '"1"'), b"footer")  # no error escapes
     assert caplog.text.count("footers are no longer kept") == 1 and "disk is full" in caplog.text
     assert store.get("Parquet", OBJ) is None, "switched off: nothing served, not even what was kept"
     store.forget("Parquet", OBJ)
     store.put("Parquet", OBJ, b"footer")
     assert caplog.text.count("footers are no longer kept") == 1, "said once"
+    assert (tmp_path / "footers").is_dir(), "a full disk says nothing of the database: kept for the next run"
+
+
+def test_a_store_found_damaged_while_open_is_switched_off_and_deleted(tmp_path: Path) -> None:
+    store = FooterStore(tmp_path / "footers", BUDGET)
+    store._cache = _Failing(sqlite3.DatabaseError("database disk image is malformed"))  # type: ignore[assignment]
+    assert store.get("Parquet", OBJ) is None
+    assert not (tmp_path / "footers").exists(), "deleted: the next run makes it afresh"
+    store.put("Parquet", OBJ, b"footer")
+    assert FooterStore(tmp_path / "footers", BUDGET).get("Parquet", OBJ) is None
