@@ -4,20 +4,33 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
+from epochcache.config import SamplerConfig, SourceConfig
+from epochcache.sources import open_source
 from epochcache.sources.base import RemoteObject
-from epochcache.sources.footers import FooterStore, daemon_store
+from epochcache.sources.footers import STORE_LEAST, FooterStore, daemon_store
 
 BUDGET = 2**20
 OBJ = RemoteObject("bucket/a.parquet", 1000, '"0123456789abcdef0123456789abcdef"')
 
 
 def _bytes_under(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    """Bytes of the files in ``root`` now (a journal may go between the listing and its stat)."""
+    total = 0
+    for name in os.listdir(root):
+        try:
+            total += os.stat(root / name).st_size
+        except FileNotFoundError:
+            pass
+    return total
 
 
 @pytest.mark.parametrize("size", [8192, BUDGET // 32], ids=["8KiB", "the largest kept"])
@@ -37,6 +50,23 @@ def test_the_store_stays_within_its_budget_dropping_the_oldest(tmp_path: Path, s
     store.close()
 
 
+def test_threads_storing_and_reading_at_once_keep_the_store_within_its_budget(tmp_path: Path) -> None:
+    # (the daemon reads a mixing window's footers on its fetch threads, all at once)
+    store = FooterStore(tmp_path / "footers", BUDGET)
+    peaks: list[int] = []
+
+    def work(thread: int) -> None:
+        for n in range(40):
+            obj = RemoteObject(f"bucket/{thread}-{n}.parquet", 10**6, f'"{thread}-{n}"')
+            store.put("Parquet", obj, os.urandom(BUDGET // 32))
+            store.get("Parquet", RemoteObject(f"bucket/{thread}-0.parquet", 10**6, f'"{thread}-0"'))
+            peaks.append(_bytes_under(tmp_path / "footers"))
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(work, range(8)))
+    assert len(peaks) == 320 and max(peaks) <= BUDGET, f"{max(peaks)} bytes on disk for a budget of {BUDGET}"
+
+
 def test_a_store_reopened_within_a_smaller_budget_is_trimmed_to_it(tmp_path: Path) -> None:
     store = FooterStore(tmp_path / "footers", 4 * BUDGET)
     for n in range(200):
@@ -47,7 +77,7 @@ def test_a_store_reopened_within_a_smaller_budget_is_trimmed_to_it(tmp_path: Pat
     assert _bytes_under(tmp_path / "footers") <= BUDGET
 
 
-@pytest.mark.parametrize(("share", "free"), [(0, 10 * BUDGET), (BUDGET, BUDGET - 1)])
+@pytest.mark.parametrize(("share", "free"), [(0, 10 * BUDGET), (BUDGET, STORE_LEAST - 1)])
 def test_a_daemon_without_room_for_footers_keeps_none_and_deletes_those_kept(
     tmp_path: Path, share: int, free: int
 ) -> None:
@@ -100,7 +130,7 @@ class _Failing:
     def _fail(self, *args: Any) -> None:
         raise self.error
 
-    get = set = delete = _fail
+    get = set = delete = __contains__ = _fail
 
 
 def test_a_store_that_fails_is_switched_off_and_reads_go_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -123,3 +153,35 @@ def test_a_store_found_damaged_while_open_is_switched_off_and_deleted(tmp_path: 
     assert not (tmp_path / "footers").exists(), "deleted: the next run makes it afresh"
     store.put("Parquet", OBJ, b"footer")
     assert FooterStore(tmp_path / "footers", BUDGET).get("Parquet", OBJ) is None
+
+
+def test_a_row_that_is_not_a_footer_is_never_unpickled_and_the_store_is_made_afresh(tmp_path: Path) -> None:
+    store = FooterStore(tmp_path / "footers", BUDGET)
+    store.put("Parquet", OBJ, b"footer")
+    store.close()
+    with sqlite3.connect(tmp_path / "footers" / "cache.db") as db:  # damage: a pickled value's mode
+        db.execute("UPDATE Cache SET mode = 4")
+    store = FooterStore(tmp_path / "footers", BUDGET)
+    assert store.get("Parquet", OBJ) is None
+    assert not (tmp_path / "footers").exists()
+
+
+def test_a_footer_kept_already_is_not_written_again(tmp_path: Path) -> None:
+    store = FooterStore(tmp_path / "footers", BUDGET)
+    store.put("Parquet", OBJ, b"footer")
+    store.put("Parquet", OBJ, b"the same version's footer, read again")
+    assert store.get("Parquet", OBJ) == b"footer"
+
+
+def test_footers_are_kept_only_where_reads_are_pinned_to_the_listed_version(tmp_path: Path) -> None:
+    fs = fsspec.filesystem("memory")  # (an fsspec filesystem other than S3: its reads are not pinned)
+    with fs.open("/footers-test/a.parquet", "wb") as f:
+        pq.write_table(pa.table({"x": list(range(100))}), f, row_group_size=25)
+    store = FooterStore(tmp_path / "footers", BUDGET)
+    source = open_source(SourceConfig(url="memory://footers-test", format="parquet"),
+                         SamplerConfig(whole_object_bytes=0), store)
+    (listed,) = source.list_objects()
+    tagged = RemoteObject(listed.path, listed.size, "1764150000.0-1628")  # as an mtime-size tag would read
+    assert len(source.units(tagged)) == 4
+    assert store.get(source.kind, tagged) is None
+    fs.rm("/footers-test", recursive=True)
