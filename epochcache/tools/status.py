@@ -9,6 +9,7 @@ last error), not the config file given to ``status``. Secrets in recorded settin
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import datetime
 from typing import Any
@@ -38,6 +39,7 @@ def cache_status(config: Config) -> dict[str, Any]:
     ledger = Ledger(layout.ledger)
     try:
         usage = ledger.usage()
+        footers = _footer_bytes(layout)
         now = time.time()
         cursor = ledger.daemon.cursor()
         skipped = ledger.daemon.skipped()
@@ -49,11 +51,12 @@ def cache_status(config: Config) -> dict[str, Any]:
             "daemon_detail": daemon,
             "shards": usage.shards,
             "samples": usage.rows,
-            "bytes": usage.total,
+            "bytes": usage.total + footers,
             "shard_bytes": usage.shard_bytes,
             "reserved_bytes": usage.reserved_bytes,
             "quarantined_bytes": usage.quarantined_bytes,
             "ledger_bytes": usage.ledger_bytes,
+            "footer_bytes": footers,
             # The running daemon's budget (its --set / env included) when it recorded one, else the file's.
             "max_bytes": int(_setting(daemon, "cache.max_bytes", config.cache.max_bytes)),
             "eviction": config.cache.eviction,
@@ -87,6 +90,21 @@ def cache_status(config: Config) -> dict[str, Any]:
         ledger.close()
 
 
+def _footer_bytes(layout: CacheLayout) -> int:
+    """Bytes of the footers the daemon keeps (a database and its journal: a few files, not a scan)."""
+    try:
+        names = os.listdir(layout.footers)
+    except FileNotFoundError:  # none kept
+        return 0
+    total = 0
+    for name in names:
+        try:
+            total += os.stat(os.path.join(layout.footers, name)).st_size
+        except FileNotFoundError:  # a journal gone between the listing and its stat
+            pass
+    return total
+
+
 def format_status(status: dict[str, Any]) -> str:
     """The summary as an aligned two-column table, then the newest shards as a table."""
     used, budget = status["bytes"], status["max_bytes"]
@@ -102,7 +120,7 @@ def format_status(status: dict[str, Any]) -> str:
         ("bytes", f"{human_bytes(used)} of {human_bytes(budget)} ({100 * used / budget:.1f}%): " + ", ".join(
             f"{part} {human_bytes(status[key])}" for part, key in
             (("shards", "shard_bytes"), ("writing", "reserved_bytes"), ("quarantine", "quarantined_bytes"),
-             ("ledger", "ledger_bytes")))),
+             ("ledger", "ledger_bytes"), ("footers", "footer_bytes")))),
         ("policy", status["eviction"] + (f", max_uses {status['max_uses']}" if status["max_uses"] else "")),
         ("leases", f"{len(status['leases'])}"),
         *((f"  {lease['owner']}", f"{lease['shards']} shards, age {lease['age_s']}s, "

@@ -16,6 +16,7 @@ from faultproxy import FaultProxy
 from epochcache import SyncDaemon
 from epochcache.config import Config
 from epochcache.sync.report import StopReason
+from epochcache.tools.status import cache_status, format_status
 
 FILES, ROWS, ROWS_PER_GROUP = 4, 256, 64
 _RANGE = re.compile(rb"(?im)^range: *bytes=(\d+)-(\d+)\r\n")
@@ -64,4 +65,8 @@ def test_a_restarted_daemon_reads_no_footer_again_within_the_budget(
     assert proxy.object_get_heads, "the restarted daemon read units"
     assert _tail_gets(proxy, sizes) == 0, "no footer read again"
     assert _bytes_under(Path(config.cache.dir)) <= int(config.cache.max_bytes)
-    assert (Path(config.cache.dir) / "footers").is_dir()
+    footers = _bytes_under(Path(config.cache.dir) / "footers")
+    status = cache_status(config)  # counts them among the cache's bytes
+    assert status["footer_bytes"] == footers > 0
+    assert status["bytes"] == status["shard_bytes"] + status["ledger_bytes"] + footers
+    assert "footers " in format_status(status)
