@@ -156,9 +156,10 @@ class CacheConfig(_Section):
     )
     footer_bytes: Annotated[ByteSize, Field(ge=0)] | Literal["auto"] = Field(
         default="auto",
-        description="part of max_bytes kept for the footers of remote Parquet and Arrow IPC files, so each is "
-        "read once per version, not again each pass, each daemon start, or each unit of a mixing window of "
-        "over 256 objects; auto: max_bytes/64, at most 64MiB (none under 1MiB); 0 = none",
+        description="part of max_bytes kept for the footers of Parquet and Arrow IPC files read over S3, so each "
+        "is read once per version, not again each pass, each daemon start, or each unit of a mixing window of "
+        "over 256 objects; auto: max_bytes/64, at most 64MiB and what two shards and the ledger leave (none "
+        "under 1MiB); 0 = none (else at least 1MiB)",
     )
 
     @field_validator("dir")

@@ -58,7 +58,6 @@ class FileSource:
         self._footers = footers if self._remote.is_s3 else None
         self._parsed: Any = None  # see _footer_cache
 
-
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
         return f"{type(self).__name__}({self.url!r})"
 
