@@ -1,8 +1,8 @@
 """Skip bookkeeping: units (or whole objects) that could not be read are recorded in the ledger,
 the pass goes on without them, and at the pass end they are read once more.
 
-In: failures of reads (:data:`SKIPPABLE`); out: ledger ``skipped`` records (path, size, index,
-pass, stream, reason), the ``units_skipped`` counter, and :attr:`SkipBook.unread`, the units this
+In: failures of reads (:data:`SKIPPABLE`); out: ledger ``skipped`` records (path, size, ETag,
+index, pass, stream, reason), the ``units_skipped`` counter, and :attr:`SkipBook.unread`, the units this
 run skipped and never read afterwards. Invariant: a skip never stops the daemon; only errors of
 configuration (:class:`~epochcache.errors.SourceError` other than a vanished object) do.
 """
@@ -66,8 +66,9 @@ class SkipBook:
         self._unread.add(key)
         note(self.ledger.counters.incr, "units_skipped")
         self.vitals.failed(_what(exc), f"{key}: {describe(exc)}")
-        note(self.ledger.daemon.set_skipped, key, {"path": obj.path, "size": obj.size, "index": index, "pass": pass_,
-                                                   "stream": stream.name, "error": describe(exc)})
+        note(self.ledger.daemon.set_skipped, key, {"path": obj.path, "size": obj.size, "etag": obj.etag,
+                                                   "index": index, "pass": pass_, "stream": stream.name,
+                                                   "error": describe(exc)})
 
     def retry(self, stream: Stream, pass_: int, read: Read) -> Iterator[tuple[Unit, pa.Table]]:
         """Yield the rows of ``stream``'s skipped units of this pass that read now; forget those whose
@@ -82,7 +83,9 @@ class SkipBook:
             if (info.get("pass") != pass_ or info.get("stream", "") != stream.name or info.get("final")
                     or self.stop.is_set()):
                 continue
-            obj = RemoteObject(info["path"], info["size"])
+            # The version this pass listed: one rewritten since is gone for the pass (its rows read so far
+            # are of the listed version; the next pass lists, and reads, the new one)
+            obj = RemoteObject(info["path"], info["size"], info.get("etag"))
             try:
                 units = stream.slicer.units(
                     self.retrier.call(stream.source.units, obj, what=f"metadata of {obj.path}"), pass_)
