@@ -6,7 +6,9 @@ leases, the verifier and how to record an epoch. Out: the
 next epoch, prepared ahead on a background thread (:meth:`EpochTurnover.prepare_ahead`) and taken
 at its start (:meth:`EpochTurnover.take`); the last one, retired (its batch source stopped, its
 lease released) on a cleanup thread once the next one's first batch is out
-(:meth:`EpochTurnover.first_batch_out`), so neither the build nor the retirement delays a batch.
+(:meth:`EpochTurnover.first_batch_out`), so neither the build nor the retirement delays a batch;
+or as soon as the next one must be waited for, so that its snapshot never waits on a daemon that
+waits on the last one's lease (the shards it retired for room).
 
 Invariants: at most one epoch is prepared ahead and one waits to be retired; an epoch prepared
 ahead is handed out only if still usable and no shard may have been quarantined since its snapshot
@@ -60,12 +62,18 @@ class EpochTurnover:
         if resume is None and self.next is not None and self.next[0] == epoch:
             future = self.next[1]
             self.next = self.unstarted = None
+            if not future.done():
+                # Not ready: its snapshot may be waiting for shards that the daemon can publish only
+                # once the last epoch's lease lets its retiring shards go. Nothing is handed out
+                # meanwhile, so nothing is delayed by retiring that epoch now.
+                self._retire_previous()
             prepared = future.result()
             # A shard quarantined since its snapshot (the verifier found it damaged; its mapping
             # may still be open here) must not be read by an epoch that starts now: build it again.
             stale = not prepared.usable or self._builder.quarantined_since(prepared)
         else:
             self.drop()
+            self._retire_previous()  # (a build now waits as well: see above)
             prepared, stale = self._build(epoch, False, resume), False
         if not self._peers.any_rank(stale):
             return prepared

@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import fsspec
 import pyarrow.parquet as pq
 import pytest
-from conftest import make_table, wait_for
+from conftest import DaemonThread, make_table, wait_for, write_parquet_dataset
 
 from epochcache import EpochCachedLoader, SyncDaemon
 from epochcache.cache.layout import CacheLayout
@@ -65,3 +66,34 @@ def test_shards_found_present_are_forgotten_once_evicted(synced: Config) -> None
         known = loader._builder._present_ids
         assert known <= cached, f"{len(known - cached)} evicted shards still remembered ({len(cached)} cached)"
     ledger.close()
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_an_epoch_whose_every_shard_the_daemon_retired_does_not_hold_the_next_one_up(
+    tmp_path: Path, make_config: Callable[..., Config], workers: int
+) -> None:
+    """A full cache and a daemon that, to make room, retires every shard the running epoch leases
+    (``low_watermark`` near 0): the next epoch's snapshot has none, and the daemon can publish only
+    once that epoch's lease lets them go. The lease goes as the next epoch is waited for, not after
+    its first batch (which would never come: both sides waited until ``wait_timeout_s``)."""
+    write_parquet_dataset(fsspec.filesystem("file"), str(tmp_path / "remote"), files=6, rows_per_file=256,
+                          rows_per_group=32)
+    config = make_config(str(tmp_path / "remote"), **{"cache.max_bytes": 1_500_000, "cache.shard_bytes": "64KiB",
+                                                       "cache.low_watermark": 0.01, "cache.min_uses": 1})
+    daemon = DaemonThread(SyncDaemon(config, progress=False))
+    ledger = Ledger(CacheLayout.create(config.cache.dir).ledger)
+    try:
+        # the budget full of shards no epoch used yet: the first epoch's snapshot takes every one
+        wait_for(lambda: (ledger.daemon.status() or {}).get("state") == "waiting for training")
+        with EpochCachedLoader(config.cache.dir, batch_size=16, progress=False, wait_timeout_s=20,
+                               num_workers=workers) as loader:
+            for epoch in range(3):
+                ids = []
+                for number, batch in enumerate(loader):
+                    if number == 1 and epoch == 0:  # the epoch recorded, its shards used: the daemon retires them all
+                        wait_for(lambda: ledger.usage().retiring_bytes == ledger.usage().shard_bytes > 0)
+                    ids.extend(batch["id"].tolist())
+                assert ids and len(ids) == len(set(ids)) == loader.last_epoch.samples
+    finally:
+        ledger.close()
+        daemon.stop()
