@@ -9,7 +9,6 @@ last error), not the config file given to ``status``. Secrets in recorded settin
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import datetime
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 from pydantic import ByteSize
 
 from epochcache.cache.coverage import coverage_of
-from epochcache.cache.layout import CacheLayout
+from epochcache.cache.layout import CacheLayout, bytes_under
 from epochcache.cache.ledger import Ledger
 from epochcache.cache.lockfile import holder
 from epochcache.config import Config
@@ -39,7 +38,7 @@ def cache_status(config: Config) -> dict[str, Any]:
     ledger = Ledger(layout.ledger)
     try:
         usage = ledger.usage()
-        footers = _footer_bytes(layout)
+        footers = bytes_under(layout.footers)  # (a database and its journal: a few files)
         now = time.time()
         cursor = ledger.daemon.cursor()
         skipped = ledger.daemon.skipped()
@@ -88,21 +87,6 @@ def cache_status(config: Config) -> dict[str, Any]:
         }
     finally:
         ledger.close()
-
-
-def _footer_bytes(layout: CacheLayout) -> int:
-    """Bytes of the footers the daemon keeps (a database and its journal: a few files, not a scan)."""
-    try:
-        names = os.listdir(layout.footers)
-    except FileNotFoundError:  # none kept
-        return 0
-    total = 0
-    for name in names:
-        try:
-            total += os.stat(os.path.join(layout.footers, name)).st_size
-        except FileNotFoundError:  # a journal gone between the listing and its stat
-            pass
-    return total
 
 
 def format_status(status: dict[str, Any]) -> str:

@@ -260,12 +260,12 @@ def test_clear_refuses_without_yes_then_empties_the_cache(tmp_path: Path, capsys
 
 
 def test_bytes_under_counts_every_file_below(tmp_path: Path) -> None:
-    from epochcache.cli import _bytes_under
+    from epochcache.cache.layout import bytes_under
 
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "one").write_bytes(b"x" * 10)
     (tmp_path / "a" / "b" / "two").write_bytes(b"y" * 32)
-    assert _bytes_under(tmp_path) == 42
+    assert bytes_under(tmp_path) == 42 and bytes_under(tmp_path / 'absent') == 0
 
 
 def test_verify_and_clear_show_no_bar_off_a_terminal_or_with_no_progress(tmp_path: Path, capsys) -> None:
