@@ -12,6 +12,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import bytes_under
 
 from epochcache.config import SamplerConfig, SourceConfig
 from epochcache.sources import open_source
@@ -22,17 +23,6 @@ BUDGET = 2**20
 OBJ = RemoteObject("bucket/a.parquet", 1000, '"0123456789abcdef0123456789abcdef"')
 
 
-def _bytes_under(root: Path) -> int:
-    """Bytes of the files in ``root`` now (a journal may go between the listing and its stat)."""
-    total = 0
-    for name in os.listdir(root):
-        try:
-            total += os.stat(root / name).st_size
-        except FileNotFoundError:
-            pass
-    return total
-
-
 @pytest.mark.parametrize("size", [8192, BUDGET // 32], ids=["8KiB", "the largest kept"])
 def test_the_store_stays_within_its_budget_dropping_the_oldest(tmp_path: Path, size: int) -> None:
     store = FooterStore(tmp_path / "footers", BUDGET)
@@ -41,7 +31,7 @@ def test_the_store_stays_within_its_budget_dropping_the_oldest(tmp_path: Path, s
     peak = 0
     for obj, footer in zip(objects, footers, strict=True):
         store.put("Parquet", obj, footer)
-        peak = max(peak, _bytes_under(tmp_path / "footers"))  # the database, its log and its index
+        peak = max(peak, bytes_under(tmp_path / "footers"))  # the database, its log and its index
     assert peak <= BUDGET, f"{peak} bytes on disk for a budget of {BUDGET}"
     assert store.get("Parquet", objects[-1]) == footers[-1], "the newest is kept"
     assert store.get("Parquet", objects[0]) is None, "the oldest went to make room"
@@ -60,7 +50,7 @@ def test_threads_storing_and_reading_at_once_keep_the_store_within_its_budget(tm
             obj = RemoteObject(f"bucket/{thread}-{n}.parquet", 10**6, f'"{thread}-{n}"')
             store.put("Parquet", obj, os.urandom(BUDGET // 32))
             store.get("Parquet", RemoteObject(f"bucket/{thread}-0.parquet", 10**6, f'"{thread}-0"'))
-            peaks.append(_bytes_under(tmp_path / "footers"))
+            peaks.append(bytes_under(tmp_path / "footers"))
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(work, range(8)))
@@ -72,9 +62,9 @@ def test_a_store_reopened_within_a_smaller_budget_is_trimmed_to_it(tmp_path: Pat
     for n in range(200):
         store.put("Parquet", RemoteObject(f"bucket/{n}.parquet", 10**6, f'"{n}"'), os.urandom(16384))
     store.close()
-    assert _bytes_under(tmp_path / "footers") > 2 * BUDGET
+    assert bytes_under(tmp_path / "footers") > 2 * BUDGET
     FooterStore(tmp_path / "footers", BUDGET).close()
-    assert _bytes_under(tmp_path / "footers") <= BUDGET
+    assert bytes_under(tmp_path / "footers") <= BUDGET
 
 
 @pytest.mark.parametrize(("share", "free"), [(0, 10 * BUDGET), (BUDGET, STORE_LEAST - 1)])

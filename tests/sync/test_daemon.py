@@ -14,7 +14,7 @@ from typing import Any
 import fsspec
 import pytest
 import yaml
-from conftest import DaemonThread, UnitLog, wait_for, write_parquet_dataset
+from conftest import DaemonThread, UnitLog, bytes_under, wait_for, write_parquet_dataset
 
 from epochcache import DaemonRunningError, Ledger, ShardRecord, SyncDaemon
 from epochcache.cache.layout import TMP_SUFFIX, CacheLayout
@@ -177,19 +177,15 @@ def test_sigterm_stops_the_cli_daemon_cleanly(remote: str, tmp_path: Path) -> No
     _assert_disk_matches_ledger(config)
 
 
-def _bytes_under(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
-
-
 def test_a_restarted_daemon_keeps_the_budget(remote: str, make_config: Callable[..., Config]) -> None:
     config = make_config(remote, **SMALL)
     budget = int(config.cache.max_bytes)
     assert SyncDaemon(config, progress=False).run(once=True).reason is StopReason.BUDGET_FULL
-    assert _bytes_under(Path(config.cache.dir)) <= budget
+    assert bytes_under(Path(config.cache.dir)) <= budget
     # SQLite removed its WAL when the daemon closed the ledger: that must not look like free room
     again = SyncDaemon(config, progress=False).run(once=True)
     assert again.reason is StopReason.BUDGET_FULL and again.shards_published == 0
-    assert _bytes_under(Path(config.cache.dir)) <= budget
+    assert bytes_under(Path(config.cache.dir)) <= budget
 
 
 def test_a_changed_source_starts_its_own_order(tmp_path: Path, make_config: Callable[..., Config]) -> None:

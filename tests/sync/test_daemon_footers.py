@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import DaemonThread, make_table, wait_for, write_parquet_dataset
+from conftest import DaemonThread, bytes_under, make_table, wait_for, write_parquet_dataset
 from faultproxy import FaultProxy
 
 from epochcache import SyncDaemon
@@ -42,10 +42,6 @@ def _tail_gets(proxy: FaultProxy, sizes: dict[str, int]) -> int:
     return count
 
 
-def _bytes_under(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
-
-
 def test_a_restarted_daemon_reads_no_footer_again_within_the_budget(
     s3: Any, bucket: str, proxy: FaultProxy, make_config: Callable[..., Config]
 ) -> None:
@@ -67,8 +63,8 @@ def test_a_restarted_daemon_reads_no_footer_again_within_the_budget(
     restarted.stop()
     assert proxy.object_get_heads, "the restarted daemon read units"
     assert _tail_gets(proxy, sizes) == 0, "no footer read again"
-    assert _bytes_under(Path(config.cache.dir)) <= int(config.cache.max_bytes)
-    footers = _bytes_under(Path(config.cache.dir) / "footers")
+    assert bytes_under(Path(config.cache.dir)) <= int(config.cache.max_bytes)
+    footers = bytes_under(Path(config.cache.dir) / "footers")
     status = cache_status(config)  # counts them among the cache's bytes
     assert status["footer_bytes"] == footers > 0
     assert status["bytes"] == status["shard_bytes"] + status["ledger_bytes"] + footers
