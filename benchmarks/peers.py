@@ -151,18 +151,6 @@ def tree_cpu_seconds(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def folder_bytes(root: Path) -> int:
-    """Bytes of the files under ``root`` now (0 while it does not exist); files vanishing meanwhile skipped."""
-    total = 0
-    for folder, _, files in os.walk(root):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(folder, name)).st_size
-            except FileNotFoundError:
-                continue
-    return total
-
-
 class Watcher(threading.Thread):
     """Peak PSS of a process tree (every 4th tick) and peak bytes under a cache dir (every 0.05 s).
     Once ``daemon_pid`` is set (epochcache's sync daemon, a child of the tree), also the peaks of the
@@ -181,9 +169,11 @@ class Watcher(threading.Thread):
         self._sampling = threading.Lock()
 
     def run(self) -> None:
+        from epochcache.cache.layout import bytes_under
+
         tick = 0
         while not self._done.wait(0.05):
-            self.peak_cache = max(self.peak_cache, folder_bytes(self.cache))
+            self.peak_cache = max(self.peak_cache, bytes_under(self.cache))
             if tick % 4 == 0:
                 self.sample_pss()
             tick += 1

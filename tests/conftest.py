@@ -93,19 +93,6 @@ def cached_ids(cache_dir: str | Path) -> list[int]:
         ledger.close()
 
 
-def bytes_under(root: Path) -> int:
-    """Bytes of the files under ``root`` now, measured apart from the code under test (a file removed
-    between the listing and its stat, a journal or an evicted shard, is no longer held)."""
-    total = 0
-    for folder, _, names in os.walk(root):
-        for name in names:
-            try:
-                total += os.lstat(os.path.join(folder, name)).st_size
-            except FileNotFoundError:
-                continue
-    return total
-
-
 def write_parquet_dataset(
     fs: Any, root: str, files: int, rows_per_file: int, rows_per_group: int
 ) -> list[str]:

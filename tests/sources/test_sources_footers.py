@@ -12,8 +12,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import bytes_under
 
+from epochcache.cache.layout import bytes_under
 from epochcache.config import SamplerConfig, SourceConfig
 from epochcache.sources import open_source
 from epochcache.sources.base import RemoteObject

@@ -14,10 +14,10 @@ from typing import Any
 import fsspec
 import pytest
 import yaml
-from conftest import DaemonThread, UnitLog, bytes_under, wait_for, write_parquet_dataset
+from conftest import DaemonThread, UnitLog, wait_for, write_parquet_dataset
 
 from epochcache import DaemonRunningError, Ledger, ShardRecord, SyncDaemon
-from epochcache.cache.layout import TMP_SUFFIX, CacheLayout
+from epochcache.cache.layout import TMP_SUFFIX, CacheLayout, bytes_under
 from epochcache.cache.shards import verify_shard
 from epochcache.config import Config, load_config
 from epochcache.sync.daemon import StopReason

@@ -13,10 +13,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import DaemonThread, bytes_under, make_table, wait_for, write_parquet_dataset
+from conftest import DaemonThread, make_table, wait_for, write_parquet_dataset
 from faultproxy import FaultProxy
 
 from epochcache import SyncDaemon
+from epochcache.cache.layout import bytes_under
 from epochcache.config import Config
 from epochcache.sync.report import StopReason
 from epochcache.tools.status import cache_status, format_status
