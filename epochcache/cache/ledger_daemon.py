@@ -14,6 +14,10 @@ from typing import Any
 
 from epochcache.cache.ledger_db import LedgerDatabase, kv, set_kv
 
+# A listed ETag (``etag``) as reads compare one (``epochcache.sources.base.bare_etag``): without a weak
+# ``W/`` mark or quotes, in lower case (stores differ in these, even between two listings of theirs).
+_BARE_SQL = "lower(trim(CASE WHEN substr(etag, 1, 2) = 'W/' THEN substr(etag, 3) ELSE etag END, '\"'))"
+
 
 class DaemonState:
     """The daemon's persisted state in ``db``'s ``kv``, ``listing_pages`` and ``skipped`` tables."""
@@ -70,13 +74,16 @@ class DaemonState:
 
     def rewritten(self, stream: str = "") -> list[str]:
         """Paths that both ``stream``'s listing and the one set aside list, under other ETags: objects
-        rewritten in place between the two. (Objects gone, or listed without an ETag, are not among
-        them: a listing that lost objects says nothing about the versions of those it has.)"""
+        rewritten in place between the two. ETags are compared as reads compare them (:data:`_BARE_SQL`:
+        a store that spells one ETag otherwise from one listing to the next, quoted or not, weak or not,
+        in another case, rewrote nothing). (Objects gone, or listed without an ETag, are not among them:
+        a listing that lost objects says nothing about the versions of those it has.)"""
         with self._db.read() as con:
             # one sort of both listings by path (a join of the two would run without an index)
             return [path for (path,) in con.execute(
-                "SELECT path FROM (SELECT json_extract(o.value, '$[0]') AS path, json_extract(o.value, '$[2]') AS etag "
-                "FROM listing_pages p, json_each(p.objects) o WHERE p.stream IN (:old, :new)) "
+                "SELECT path FROM (SELECT path, " + _BARE_SQL + " AS etag FROM (SELECT json_extract(o.value, '$[0]') "
+                "AS path, json_extract(o.value, '$[2]') AS etag FROM listing_pages p, json_each(p.objects) o "
+                "WHERE p.stream IN (:old, :new))) "
                 "GROUP BY path HAVING count(*) = 2 AND count(etag) = 2 AND min(etag) != max(etag)",
                 {"old": stream + self._PREVIOUS, "new": stream})]
 

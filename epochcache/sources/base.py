@@ -74,3 +74,8 @@ class Source(Protocol):
     def read(self, unit: Unit) -> pa.Table:
         """The unit's rows with the key column appended."""
         ...
+
+
+def bare_etag(etag: str) -> str:
+    """An ETag as compared: without quotes or a weak ``W/`` mark, in lower case (stores differ in these)."""
+    return etag.removeprefix("W/").strip('"').lower()

@@ -5,7 +5,7 @@ In: the footer bytes a source read and checked (a Parquet or Arrow IPC file's ta
 second read or against the whole object), keyed by the object's listed version (path, ETag, size).
 Out: those bytes for the same version, or None. Why on disk: a source keeps a few hundred parsed
 footers in memory; a mixing window (``sampler.mix_units`` up to 1024 objects) interleaves more, and
-every pass and every restart would read each footer again (two GETs over a network).
+every pass and every restart would read each footer again (two GETs over plain HTTP, one over TLS).
 
 Invariants: a version is keyed by its ETag, so a rewritten object is never answered with its old
 footer; bytes come back only if their xxh64, stored with them, still matches (a damaged entry is
@@ -32,7 +32,7 @@ import xxhash
 
 from epochcache.config import FOOTER_STORE_LEAST
 from epochcache.errors import CacheError
-from epochcache.sources.base import RemoteObject
+from epochcache.sources.base import RemoteObject, bare_etag
 
 log = logging.getLogger(__name__)
 
@@ -225,4 +225,5 @@ def _trim(cache: diskcache.Cache) -> None:
 
 
 def _key(kind: str, obj: RemoteObject) -> str | None:
-    return None if not obj.etag else f"{kind}\n{obj.path}\n{obj.etag}\n{obj.size}"
+    """The version's key: its ETag as reads compare it (a store may spell it otherwise in its next listing)."""
+    return None if not obj.etag else f"{kind}\n{obj.path}\n{bare_etag(obj.etag)}\n{obj.size}"

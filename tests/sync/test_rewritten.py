@@ -93,6 +93,35 @@ def test_old_rows_held_by_a_running_epoch_stay_out_of_later_epochs_across_a_rest
     assert _epoch_ids(remote) == expected, "...but not shards of outdated rows"
 
 
+def test_etags_the_store_spells_otherwise_in_the_next_listing_retire_nothing(
+    s3: Any, bucket: str, s3_endpoint: str, make_config: Callable[..., Config]
+) -> None:
+    """A store whose listings spell an unchanged object's ETag otherwise (in upper case, weak, without
+    quotes) rewrote nothing: its shards stay, and nothing is read again."""
+    for number in range(3):
+        s3.pipe(f"{bucket}/spelled/part-{number}.parquet", _parquet(number * ROWS))
+    proxy = FaultProxy(s3_endpoint, rate=0.0)
+    try:
+        options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url}}
+        config = make_config(f"s3://{bucket}/spelled", **{"source.storage_options": options,  # (footers kept)
+                                                           "cache.max_bytes": "200MB", "cache.shard_bytes": "100KB"})
+        SyncDaemon(config, progress=False).run(once=True)
+        ledger = Ledger(CacheLayout(Path(config.cache.dir)).ledger)
+        try:
+            before = {r.id for r in ledger.shards()}
+            for respell in (lambda e: e, lambda e: e.upper().replace(b"&QUOT;", b"&quot;"), lambda e: b"W/" + e,
+                            lambda e: e.replace(b"&quot;", b"")):
+                proxy.listing_etag, gets = respell, proxy.object_gets
+                SyncDaemon(config, progress=False).run(once=True)
+                assert {r.id for r in ledger.shards()} == before and "outdated" not in ledger.counters.all()
+                assert proxy.object_gets == gets, "no object read again (footers kept, units cached)"
+        finally:
+            ledger.close()
+    finally:
+        proxy.close()
+    assert _cached(config) == Counter(range(3 * ROWS))
+
+
 def test_an_unchanged_or_shrunk_remote_retires_nothing(remote: Config, s3: Any, bucket: str) -> None:
     """Only a rewrite retires: rows of a deleted object are a sample the remote had, and retiring the
     shards holding them would read their shard-mates again (a shard mixes units of many objects)."""
