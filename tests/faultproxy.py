@@ -35,7 +35,10 @@ those checksums; ``refuse_listing``
 ``refuse_checksum_mode`` answers 501 NotImplemented to an object GET that asks for checksums
 (``x-amz-checksum-mode``), as stores without them do. The head of every object GET forwarded or
 refused is kept in ``object_get_heads``, and the head of every object GET reply forwarded in
-``object_get_replies``.
+``object_get_replies``. With ``tls`` (a server context) the proxy is an https endpoint, as S3 is.
+With ``silent_close_s``, replies leave out ``Connection: close`` and each connection is closed that
+long after its reply, unread requests sent on it meanwhile dropped: a server whose keep-alive ends
+sooner than its clients' (they send a request on a connection as it closes).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import asyncio
 import hashlib
 import random
 import re
+import ssl
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -67,7 +71,8 @@ class FaultProxy:
                  refuse_checksum_mode: bool = False, reply_etag: Callable[[bytes], bytes] | None = None,
                  refuse_listing: tuple[int, str] | None = None, listing_body: Callable[[bytes], bytes] | None = None,
                  listing_ignores: Sequence[str] = (),
-                 reply_checksums: Callable[[bytes], dict[str, str]] | None = None) -> None:
+                 reply_checksums: Callable[[bytes], dict[str, str]] | None = None,
+                 tls: ssl.SSLContext | None = None, silent_close_s: float | None = None) -> None:
         parsed = urlparse(upstream)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rate, self.kinds, self.delay_s, self.flip_rate = rate, tuple(kinds), delay_s, flip_rate
@@ -75,7 +80,7 @@ class FaultProxy:
         self.range_quirk, self.deny, self.listing_etag = range_quirk, {p.encode() for p in deny}, listing_etag
         self.drip_s, self.refuse_checksum_mode, self.reply_etag = drip_s, refuse_checksum_mode, reply_etag
         self.listing_body, self.listing_ignores = listing_body, tuple(name.encode() for name in listing_ignores)
-        self.reply_checksums = reply_checksums
+        self.reply_checksums, self._tls, self.silent_close_s = reply_checksums, tls, silent_close_s
         self.object_get_heads: list[bytes] = []
         self.object_get_replies: list[bytes] = []
         self.listings = 0  # listing requests (a GET with a query string)
@@ -119,9 +124,9 @@ class FaultProxy:
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(asyncio.start_server(self._client, "127.0.0.1", 0))
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._client, "127.0.0.1", 0, ssl=self._tls))
         port = self._server.sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{'https' if self._tls else 'http'}://127.0.0.1:{port}"
         self._ready.set()
         self._loop.run_forever()
 
@@ -130,6 +135,8 @@ class FaultProxy:
             head = await reader.readuntil(b"\r\n\r\n")
             body = await reader.readexactly(_content_length(head))
             await self._answer(head, body, writer)
+            if self.silent_close_s is not None:
+                await asyncio.sleep(self.silent_close_s)  # a request sent meanwhile is never read
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away: nothing to answer
         finally:
@@ -213,6 +220,8 @@ class FaultProxy:
                 await writer.drain()
                 await asyncio.sleep(self.drip_s)
             return
+        if self.silent_close_s is not None:
+            reply = _without_close(reply[:split]) + reply[split:]
         if fault in ("truncate", "stall") and len(reply) - split > 1:
             reply = reply[: split + (len(reply) - split) // 2]
         writer.write(reply)
@@ -300,6 +309,13 @@ def _with_close(head: bytes) -> bytes:
     """``head`` (request or reply headers, ending in a blank line) with ``Connection: close``."""
     lines = [line for line in head[:-4].split(b"\r\n") if not line.lower().startswith(b"connection:")]
     return b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n"
+
+
+def _without_close(head: bytes) -> bytes:
+    """``head`` (reply headers, ending in a blank line) without its ``Connection`` header: kept alive, as
+    far as the client can tell."""
+    lines = [line for line in head[:-4].split(b"\r\n") if not line.lower().startswith(b"connection:")]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
 def _reply(status: int, body: bytes) -> bytes:

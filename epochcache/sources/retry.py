@@ -9,16 +9,18 @@ itself after the last attempt; a permanent one (no such bucket or key, access de
 credentials) is raised at once.
 Each retry and each give-up is counted through ``count(name)``.
 
-Invariant: attempts are counted only here. The S3 client's own retry layers (s3fs's loop,
-botocore's, and aiohttp's silent re-send of an idempotent request whose connection failed) are
-turned off by :func:`single_attempt_options`, so the counts in the ledger are the requests really
-made, and backoff is not multiplied by nested loops.
+Invariant: attempts are counted only here. The S3 client's own retry layers (s3fs's loop and
+botocore's) are turned off by :func:`single_attempt_options`, so backoff is not multiplied by nested
+loops and the counts in the ledger are the requests made, but for one kind left on: aiohttp sends a
+GET once more, at once and uncounted, on a new connection when its connection closed before any reply.
+HTTP lets a client do so (RFC 9112, 9.3.1): a server may close a kept-alive connection as the client
+sends on it, and one that ends its keep-alive within milliseconds of a reply would otherwise fail
+every request that follows another (a footer's confirming read, at each attempt).
 """
 
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -167,9 +169,6 @@ def single_attempt_options(url: str, storage_options: dict[str, Any], timeout_s:
     if _botocore_has("response_checksum_validation"):  # (botocore 1.36 on: before, only where asked anyway)
         # checksums are asked for by the source, for whole objects only (RemoteFiles._s3_request)
         config.setdefault("response_checksum_validation", "when_required")
-    session_cls = _single_send_session_cls()
-    if session_cls is not None:
-        config.setdefault("http_session_cls", session_cls)
     config.setdefault("connect_timeout", timeout_s)
     config.setdefault("read_timeout", timeout_s)
     return {**storage_options, "config_kwargs": config}
@@ -183,23 +182,3 @@ def _botocore_has(option: str) -> bool:
         return False
     return option in Config.OPTION_DEFAULTS
 
-
-@functools.cache
-def _single_send_session_cls() -> type | None:
-    """aiobotocore's aiohttp session with aiohttp's own re-send turned off: aiohttp sends a GET a
-    second time, uncounted, when its connection breaks (a reset). None where aiobotocore lacks the
-    hook (another version): its re-sends then go uncounted, nothing else changes."""
-    try:
-        from aiobotocore.httpsession import AIOHTTPSession
-    except ImportError:  # no S3 stack installed
-        return None
-    if not hasattr(AIOHTTPSession, "_get_session"):
-        return None
-
-    class SingleSendSession(AIOHTTPSession):  # type: ignore[misc, valid-type]
-        async def _get_session(self, proxy_url: Any) -> Any:
-            session = await super()._get_session(proxy_url)
-            session._retry_connection = False  # aiohttp's switch for that re-send (no public one)
-            return session
-
-    return SingleSendSession
