@@ -6,8 +6,9 @@ the same run against the same server, measure:
 
 - ceiling: plain concurrent ranged GETs (s3fs ``cat_file``) of exactly the row groups' bytes, with
   ``--concurrency`` threads, nothing decoded or written;
-- ceiling with footer GETs: the same, plus the two GETs of each file's last 64 KiB that the daemon
-  makes (its footer, then the footer again to confirm it): the ceiling of the daemon's own requests;
+- ceiling with footer GETs: the same, plus the GETs of each file's last 64 KiB that the daemon makes
+  (its footer, then, over plain HTTP, the footer again to confirm it; over TLS only the first): the
+  ceiling of the daemon's own requests;
 - ingest: ``SyncDaemon.run(once=True)`` with ``sampler.concurrency = --concurrency`` into a fresh
   cache with room for everything: list, footers, GETs, decode, shard write (fsync) and publish.
 
@@ -27,9 +28,12 @@ daemon, its process) on the others, as with a remote store, whose CPUs are not t
 (the default) both share every core, and on a machine whose cores are all busy the ratio measures the
 CPU the daemon spends per byte as much as its I/O.
 
+With ``--tls`` the server speaks https (a certificate made for 127.0.0.1), as S3 does by default: every
+request, the ceiling's too, pays for TLS, and the daemon reads each footer once (TLS guards it in transit).
+
 Prints a table and writes JSON to ``benchmarks/results/ingest.json``. Usage: ``python
 benchmarks/ingest.py [--size-mb 500] [--row-group-mb 8] [--file-mb 64] [--concurrency 8] [--rounds 3]
-[--server-cpu N]``.
+[--server-cpu N] [--tls]``.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import s3fs
-from s3server import moto_server
+from s3server import moto_server, self_signed_certificate
 
 from epochcache import SyncDaemon, SyncReport, load_config
 from epochcache.cache.layout import CacheLayout
@@ -74,6 +78,7 @@ def main() -> None:
                         help="folder to create the cache dirs in (default: the system temp folder)")
     parser.add_argument("--server-cpu", type=int, default=None,
                         help="run the server on this CPU alone and the client on the others (default: shared)")
+    parser.add_argument("--tls", action="store_true", help="serve https, as S3 does (default: plain HTTP)")
     args = parser.parse_args()
     server_cpus = set() if args.server_cpu is None else {args.server_cpu}
     if server_cpus:
@@ -82,26 +87,31 @@ def main() -> None:
             parser.error(f"--server-cpu {args.server_cpu}: give one of the CPUs {sorted(os.sched_getaffinity(0))}, "
                          "leaving at least one for the client")
         os.sched_setaffinity(0, others)  # before any thread: the ones started later, and children, inherit it
-    with moto_server(server_cpus) as endpoint:
-        result = run(endpoint, args)
+    with tempfile.TemporaryDirectory() as certs:
+        tls = self_signed_certificate(Path(certs)) if args.tls else None
+        with moto_server(server_cpus, tls) as endpoint:
+            result = run(endpoint, args, None if tls is None else str(tls[0]))
     print_table(result)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "ingest.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {RESULTS / 'ingest.json'}")
 
 
-def run(endpoint: str, args: argparse.Namespace) -> dict[str, object]:
-    options = {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": endpoint}}
+def run(endpoint: str, args: argparse.Namespace, verify: str | None) -> dict[str, object]:
+    """The measurements against the server at ``endpoint`` (``verify``: the certificate to trust over https)."""
+    client = {"endpoint_url": endpoint, **({"verify": verify} if verify else {})}
+    options = {"key": "bench", "secret": "bench", "client_kwargs": client}
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
     fs.mkdir("bench")
     spans = upload(fs, "bench/data", args)
     remote_bytes = sum(end - start for _, start, end in spans)
     arrow_from_parquet(fs, "bench/data", "bench/arrow")
-    # The daemon's own requests include two more GETs per Parquet file, of its footer: the tail, then
-    # the footer again to confirm it (epochcache.sources.remote.RemoteFiles.confirm). On moto each GET
-    # costs the server a read of the whole object, so they weigh here as row groups do.
+    # The daemon's own requests include more GETs per Parquet file, of its footer: the tail, then over
+    # plain HTTP the footer again to confirm it (epochcache.sources.remote.RemoteFiles.confirm). On moto
+    # each GET costs the server a read of the whole object, so they weigh here as row groups do.
+    footer_gets = 1 if verify else 2
     footers = [(path, max(0, size - FOOTER_GET_BYTES), size) for path in sorted({p for p, _, _ in spans})
-               for size in [fs.info(path)["size"]] for _ in range(2)]
+               for size in [fs.info(path)["size"]] for _ in range(footer_gets)]
     ceilings, footed, ingests, report = [], [], [], None
     ceiling_cpu: list[tuple[float, float]] = []
     ingest_cpu: list[tuple[float, float]] = []
@@ -122,6 +132,7 @@ def run(endpoint: str, args: argparse.Namespace) -> dict[str, object]:
         "size_mb": round(remote_bytes / 1e6, 1), "row_groups": len(spans), "concurrency": args.concurrency,
         "rounds": args.rounds, "ingest_mb_s": round(ingest, 1), "ceiling_mb_s": round(ceiling, 1),
         "ratio": round(ingest / ceiling, 3), "ingest_s": round(ingest_s, 2), "ceiling_s": round(ceiling_s, 2),
+        "tls": verify is not None, "footer_gets_per_file": footer_gets,
         "ceiling_with_footers_s": round(statistics.median(footed), 2),
         "ratio_with_footers": round(statistics.median(footed) / ingest_s, 3),
         "ingest_s_rounds": [round(s, 2) for s in ingests], "ceiling_s_rounds": [round(s, 2) for s in ceilings],
@@ -277,7 +288,8 @@ def print_table(result: dict[str, object]) -> None:
             ("ceiling: raw concurrent GETs (MB/s)", f"{result['ceiling_mb_s']} ({result['ceiling_s']} s)"),
             ("ingest: SyncDaemon --once (MB/s)", f"{result['ingest_mb_s']} ({result['ingest_s']} s)"),
             ("ingest / ceiling", f"{result['ratio']:.1%}"),
-            ("ceiling with the daemon's 2 footer GETs per file (s)", f"{result['ceiling_with_footers_s']}"),
+            (f"ceiling with the daemon's {result['footer_gets_per_file']} footer GETs per file (s)",
+             f"{result['ceiling_with_footers_s']}"),
             ("ingest / ceiling with footer GETs", f"{result['ratio_with_footers']:.1%}"),
             *((f"{name}: CPU s, client + server (medians)", f"{cpu['client']} + {cpu['server']}")
               for name, cpu in (("ceiling", result["ceiling_cpu_s"]), ("ingest", result["ingest_cpu_s"]))),
@@ -287,6 +299,7 @@ def print_table(result: dict[str, object]) -> None:
               for kind, d in result["daemon_process"].items()),
             ("cache dirs under", result["cache_parent"]),
             ("CPUs", result["cpus"]),
+            ("protocol", "https" if result["tls"] else "http"),
             ("machine", result["machine"])]
     width = max(len(name) for name, _ in rows)
     print(f"{'measure':<{width}} | value")

@@ -9,7 +9,7 @@ flatbuffer; ``read`` decodes one batch's span (metadata and body) with pyarrow, 
   for all its batches, checked against the store's checksum where it offers one), with the footer
   found in them; the footer read by ``units`` must agree, else one of them was damaged in transit
   (both are read again on the retry);
-- a larger one: one ranged GET of the span (over a network the footer was read twice, see
+- a larger one: one ranged GET of the span (over plain HTTP the footer was read twice, see
   :meth:`RemoteFiles.confirm`; the batch's bytes cannot be checked: Arrow IPC has no checksums).
 
 A row's key is ``<object path>:<batch>.<row in batch>``: the footer does not hold row counts, and
@@ -121,7 +121,7 @@ class ArrowSource(FileSource):
     def _read_footer(self, obj: RemoteObject) -> _Footer:
         """The footer: kept from an earlier read of this version (:meth:`_stored_footer`), else read
         from a GET of the object's tail, confirmed by a second read where the object's whole read
-        will not check it (a larger object over a network)."""
+        will not check it (a larger object over plain HTTP)."""
         stored = self._stored_footer(obj)
         tail = self._fetch_footer(obj) if stored is None else stored
         try:

@@ -12,7 +12,7 @@ CRCs where the file has them (written with ``write_page_checksum=True``): a dama
   must agree, else one of them was damaged in transit (both are read again on the retry);
 - else the wanted column chunks of the row group, one ranged GET per run of neighbouring chunks (a
   single GET when all columns are wanted), each body streamed into place in a file-offset image of
-  the object (over a network the footer was read twice, see :meth:`RemoteFiles.confirm`).
+  the object (over plain HTTP the footer was read twice, see :meth:`RemoteFiles.confirm`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ Pinning (invariant: bytes of one read all come from the version the listing saw)
 
 - S3: the listing records each object's ETag; every GET carries ``If-Match`` with it, so a rewritten
   object answers 412 instead of bytes of another version cut at the stale size. (Of an object listed
-  without one, the ETag its first read was served with pins the reads after it.) (ListObjectsV2
+  without one, whose version is then its listing's LastModified and size, the ETag the first read of
+  that listed version was served with pins the reads after it; of replies without an ETag, their
+  Last-Modified, compared with the first reply's and with a listing's without ETags.) (ListObjectsV2
   names no VersionId; the ETag pins versioned buckets as well.) The reply's ETag is compared too
   (without quotes, ``W/`` or case), for stores that ignore ``If-Match``; a store whose ``If-Match``
   refuses its own listing's spelling of an unchanged object's ETag (a HEAD shows it unchanged) is
@@ -35,10 +37,10 @@ Pinning (invariant: bytes of one read all come from the version the listing saw)
   whole-object reads still ask one byte past the listed size, so growth is seen.
 
 Checks against damage in transit: whole objects by their MD5 ETag or store checksum (above);
-metadata that formats leave unguarded (footers) by reading it twice over a network
-(:meth:`RemoteFiles.confirm`); data pages by the format's own checksums (Parquet page CRCs).
-Ranged data reads of a format without checksums (Arrow IPC, Parquet written without page CRCs)
-cannot be verified: the store offers no checksum of a byte range.
+metadata that formats leave unguarded (footers) by reading it twice over plain HTTP (over TLS, S3's
+default, the records' MACs guard it: :meth:`RemoteFiles.confirm`); data pages by the format's own
+checksums (Parquet page CRCs). Ranged data reads of a format without checksums (Arrow IPC, Parquet
+written without page CRCs) cannot be verified: the store offers no checksum of a byte range.
 """
 
 from __future__ import annotations
@@ -51,13 +53,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any, TypeVar, overload
+from typing import Any, NamedTuple, TypeVar, overload
 
 import fsspec
 import fsspec.asyn
 
 from epochcache.errors import CorruptObjectError, ObjectDeniedError, ObjectMissingError, SourceError
-from epochcache.sources.base import RemoteObject
+from epochcache.sources.base import RemoteObject, bare_etag
 from epochcache.sources.retry import RangeMismatchError, TruncatedReadError, describe, is_transient
 
 _CHUNK = 1 << 20  # bytes of a GET body copied into a unit's image at a time
@@ -84,24 +86,43 @@ _MIN_BYTES_PER_S = 64 * 1024
 # Objects refused (403, or another 4xx) before any read of the source succeeded that make it a configuration error
 # (a policy that lets the bucket be listed but no object read), not a few bad objects.
 _DENIED_IS_FATAL = 3
-# Objects listed without an ETag (stores whose listings omit it) whose first reply's ETag is kept to
-# pin the reads after it: the most recently read this many.
+# Listed versions whose reads are pinned to their first reply (see RemoteFiles._pin): the most recently
+# read this many.
 _SERVED_ETAGS = 65536
+# The version of an S3 object listed without an ETag: its listing's LastModified (seconds) and size.
+_MODIFIED = "modified:"
 
 
 def etag_of(info: dict[str, Any]) -> str | None:
-    """The version a listing entry names: its ETag where the store has one, else ``<mtime>-<size>``."""
+    """The version a listing entry names: its ETag where the store has one, else ``<mtime>-<size>``
+    (local files), else ``modified:<LastModified>-<size>`` (an S3 listing without ETags)."""
     for name in ("ETag", "etag"):
         if info.get(name):
             return str(info[name])
     if info.get("mtime") is not None:
         return f"{info['mtime']}-{info['size']}"
+    modified = _seconds(info.get("LastModified"))
+    if modified is not None:  # (an fsspec info dict, or a raw ListObjectsV2 entry)
+        return f"{_MODIFIED}{modified!r}-{info.get('size', info.get('Size'))}"
     return None
 
 
-def _bare(etag: str) -> str:
-    """An ETag as compared: without quotes or a weak ``W/`` mark, in lower case (stores differ in these)."""
-    return etag.removeprefix("W/").strip('"').lower()
+def _seconds(when: Any) -> float | None:
+    """A listing's or a reply's LastModified (botocore parses both to datetimes) in seconds, or None."""
+    timestamp = getattr(when, "timestamp", None)
+    return float(timestamp()) if callable(timestamp) else None
+
+
+def _listed_etag(obj: RemoteObject) -> str | None:
+    """The store's ETag the listing gave ``obj`` (None for none, or a ``modified:`` version)."""
+    return obj.etag if obj.etag and not obj.etag.startswith(_MODIFIED) else None
+
+
+def _listed_modified(obj: RemoteObject) -> float | None:
+    """The LastModified of the listing's ``modified:`` version of ``obj``, if it has one."""
+    if not obj.etag or not obj.etag.startswith(_MODIFIED):
+        return None
+    return float(obj.etag[len(_MODIFIED):].rsplit("-", 1)[0])
 
 
 def credentials_error(exc: BaseException) -> bool:
@@ -173,11 +194,12 @@ class RemoteFiles:
         self._etags_are_md5 = True  # until the store shows otherwise (see _s3_read)
         self._if_match = True  # until the store refuses an unchanged object's ETag (see _get_object)
         self._checksum_mode = True  # until the store refuses x-amz-checksum-mode (see _get_object)
-        self._served: OrderedDict[str, str] = OrderedDict()  # see _pin
+        self._served: OrderedDict[tuple[str, str | None], _Served] = OrderedDict()  # see _pin
         self._said_unchecked = False  # see _s3_read
         self._served_lock = threading.Lock()
         self._read_any = False  # a read of this source succeeded: a refused object is that object's, not ours
         self._denied: set[str] = set()  # paths refused (403, or another 4xx or a 501) so far
+        self._tls: bool | None = None  # S3 over https (see over_tls), known once the client is made
 
     def __repr__(self) -> str:  # never show storage_options: they may hold credentials
         return f"RemoteFiles({self.url!r})"
@@ -192,11 +214,24 @@ class RemoteFiles:
 
     def confirm(self, obj: RemoteObject, start: int, data: bytes) -> None:
         """Check bytes no checksum guards (a Parquet or Arrow footer, which every later read of the
-        object trusts) by reading them again: over a network the two reads must agree, else
-        :class:`CorruptObjectError` (retried). Local files are not re-read: no transit to damage them."""
-        if not self.local and self.fetch(obj, start, start + len(data)) != data:
+        object trusts) by reading them again: over plain HTTP the two reads must agree, else
+        :class:`CorruptObjectError` (retried). Not re-read where nothing in transit can damage them
+        unseen: local files, and replies over TLS (:meth:`over_tls`), whose records carry a MAC."""
+        if self.local or self.over_tls(obj):
+            return
+        if self.fetch(obj, start, start + len(data)) != data:
             raise CorruptObjectError(f"{self._url(obj.path)} bytes {start}-{start + len(data)}: two reads of its "
                                      "metadata differ: damaged in transit")
+
+    def over_tls(self, obj: RemoteObject) -> bool:
+        """Whether ``obj`` is read over TLS (an S3 endpoint, or an http(s) URL, of the https scheme):
+        there damage in transit fails a record's MAC and the connection, never reaching a reply.
+        False where it cannot tell (other filesystems): those bytes are read twice."""
+        if self.is_s3:
+            if self._tls is None:  # (the client exists: a read of this source came first)
+                self._tls = str(self.fs.s3.meta.endpoint_url).startswith("https://")
+            return self._tls
+        return obj.path.startswith("https://")
 
     def fetch_whole(self, obj: RemoteObject) -> bytes:
         """All bytes of the listed version of ``obj``, checked against what the store offers (a
@@ -352,16 +387,23 @@ class RemoteFiles:
     def _check_served(self, obj: RemoteObject, reply: dict[str, Any], start: int) -> None:
         """The reply holds the listed version's bytes from ``start`` on: a store that ignores If-Match
         serves another version without a word (its reply's ETag names it), and one that ignores or
-        mangles a Range serves bytes from elsewhere (its ``Content-Range``, or a whole object, says so)."""
-        served = reply.get("ETag")
-        pinned = self._pin(obj)
-        if pinned and served and _bare(served) != _bare(pinned):
-            raise self._changed(obj, f"its ETag went from {pinned} to {served}")
-        if obj.etag is None and served:
-            with self._served_lock:
-                self._served[obj.path] = served
-                if len(self._served) > _SERVED_ETAGS:
-                    self._served.popitem(last=False)
+        mangles a Range serves bytes from elsewhere (its ``Content-Range``, or a whole object, says so).
+
+        Without a listed ETag and a reply's to compare, the reply's ETag, else its Last-Modified, is
+        compared with the first reply's for this listed version (so the reads of one pass are of one
+        version), and a Last-Modified with the listing's, where it has one and no ETag."""
+        served, modified, listed = reply.get("ETag"), _seconds(reply.get("LastModified")), _listed_etag(obj)
+        if listed and served:
+            if bare_etag(served) != bare_etag(listed):
+                raise self._changed(obj, f"its ETag went from {listed} to {served}")
+        else:
+            was = _listed_modified(obj)
+            # (a listing's LastModified has milliseconds, Last-Modified whole seconds)
+            if not served and was is not None and modified is not None and abs(modified - was) >= 1:
+                raise self._changed(obj, f"its Last-Modified went from {was:.0f} to {modified:.0f}")
+            first = self._first_served(obj, _Served(served, modified))
+            if not first.same(served, modified):
+                raise self._changed(obj, f"its first reply was of {first}, this one of {_Served(served, modified)}")
         content_range = reply.get("ContentRange")
         match = _CONTENT_RANGE.match(content_range or "")
         if content_range and (match is None or int(match.group(1)) != start):
@@ -379,7 +421,8 @@ class RemoteFiles:
         failing every ranged read (botocore asks only where told: ``single_attempt_options``)."""
         bucket, key, _ = self.fs.split_path(obj.path)
         request: dict[str, Any] = {"Bucket": bucket, "Key": key}
-        unranged = (whole and obj.etag) or (start == 0 and obj.size == 0)  # an empty object has no byte to range
+        # (an empty object has no byte to range; a whole one pinned by If-Match cannot grow unseen)
+        unranged = (whole and _listed_etag(obj)) or (start == 0 and obj.size == 0)
         if not unranged:
             request["Range"] = f"bytes={start}-{end - 1}"
         elif self._checksum_mode:
@@ -390,16 +433,29 @@ class RemoteFiles:
         return request
 
     def _pin(self, obj: RemoteObject) -> str | None:
-        """The ETag reads of ``obj`` are pinned to: the listing's, or for an object listed without one,
-        the one its first read was served with (so a footer and the units read after it are of one
-        version: an object rewritten since is changed, as with a listed ETag)."""
-        if obj.etag is not None:
-            return obj.etag
+        """The ETag reads of ``obj`` are pinned to (by If-Match): the listing's, or for an object listed
+        without one, the one its first read of this listed version was served with (so a footer and the
+        units read after it are of one version: an object rewritten since is changed, as with a listed
+        ETag); None if neither is known."""
+        listed = _listed_etag(obj)
+        if listed is not None:
+            return listed
         with self._served_lock:
-            served = self._served.get(obj.path)
-            if served is not None:
-                self._served.move_to_end(obj.path)
-            return served
+            first = self._served.get((obj.path, obj.etag))
+            return first.etag if first is not None else None
+
+    def _first_served(self, obj: RemoteObject, served: _Served) -> _Served:
+        """The version the first reply of this listed version of ``obj`` showed (``served``, if this
+        is the first, or the first to show what ``served`` shows: an ETag after replies without)."""
+        key = (obj.path, obj.etag)
+        with self._served_lock:
+            first = self._served.setdefault(key, served)
+            self._served.move_to_end(key)
+            if len(self._served) > _SERVED_ETAGS:
+                self._served.popitem(last=False)
+            if first.same(served.etag, served.modified):
+                first = self._served[key] = first.merged(served)
+            return first
 
     async def _get_object(self, obj: RemoteObject, request: dict[str, Any]) -> dict[str, Any]:
         """GetObject's reply to ``request``. A 412 to its If-Match on an object a HEAD shows unchanged
@@ -427,11 +483,12 @@ class RemoteFiles:
         return await self._get_object(obj, {k: v for k, v in request.items() if k != "IfMatch"})
 
     async def _unchanged(self, obj: RemoteObject) -> bool:
-        """Whether a HEAD of ``obj`` shows the listed version (ETag compared as :func:`_bare`, and size)."""
+        """Whether a HEAD of ``obj`` shows the listed version (ETag compared as :func:`bare_etag`, and size)."""
         bucket, key, _ = self.fs.split_path(obj.path)
         head = await self.fs._call_s3("head_object", Bucket=bucket, Key=key)
         etag = head.get("ETag")
-        return bool(obj.etag and etag and _bare(etag) == _bare(obj.etag) and head.get("ContentLength") == obj.size)
+        unchanged = obj.etag and etag and bare_etag(etag) == bare_etag(obj.etag)
+        return bool(unchanged and head.get("ContentLength") == obj.size)
 
     async def _s3_get(self, obj: RemoteObject, start: int, end: int, whole: bool) -> tuple[bytes, dict[str, Any]]:
         """One GetObject (:meth:`_s3_request`): its body and its reply."""
@@ -474,6 +531,28 @@ class RemoteFiles:
     def _url(self, path: str) -> str:
         protocol = _protocols(self.fs)[0]
         return path if protocol in ("file", "local") else f"{protocol}://{path}"
+
+
+class _Served(NamedTuple):
+    """What a reply shows of the version it served: its ETag (as sent: If-Match repeats it), its
+    Last-Modified in seconds; either may be None (not sent)."""
+
+    etag: str | None
+    modified: float | None
+
+    def same(self, etag: str | None, modified: float | None) -> bool:
+        """Whether a reply showing ``etag`` and ``modified`` may be of this version: they agree where
+        both show one (replies without either cannot be told apart)."""
+        return (etag is None or self.etag is None or bare_etag(etag) == bare_etag(self.etag)) and \
+            (modified is None or self.modified is None or modified == self.modified)
+
+    def merged(self, other: _Served) -> _Served:
+        """This version, with what ``other`` (the same) shows where this shows nothing."""
+        return _Served(self.etag or other.etag, self.modified if self.modified is not None else other.modified)
+
+    def __str__(self) -> str:
+        return f"ETag {self.etag}" if self.etag else f"Last-Modified {self.modified:.0f}" \
+            if self.modified is not None else "unknown"
 
 
 def _unchecked_checksum(reply: dict[str, Any]) -> str | None:

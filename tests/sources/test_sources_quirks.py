@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import make_table
+from conftest import make_table, wait_for
 from faultproxy import FaultProxy
 
 from epochcache.errors import ObjectDeniedError, ObjectMissingError, SourceError
@@ -339,6 +339,67 @@ def test_reads_of_an_object_listed_without_an_etag_are_pinned_to_its_first_reply
     s3.pipe(obj.path, DATA[::-1])  # rewritten, the same size
     with pytest.raises(ObjectMissingError, match="changed since it was listed"):
         remote.fetch(obj, 100, 200)
+
+
+def _no_listed_etags(body: bytes) -> bytes:
+    return re.sub(rb"<ETag>[^<]*</ETag>", b"", body)
+
+
+def _listed(s3: Any, bucket: str, proxy: FaultProxy) -> tuple[RemoteFiles, RemoteObject]:
+    """The blob of :func:`_blob`, as a listing through ``proxy`` names it."""
+    s3.pipe(f"{bucket}/blob/data.bin", DATA)
+    remote = RemoteFiles(f"s3://{bucket}/blob", _options(f"s3://{bucket}/blob", proxy))
+    return remote, _listing(remote)
+
+
+def _listing(remote: RemoteFiles) -> RemoteObject:
+    ((obj,),) = scan(remote, [".bin"], "blob")
+    return obj
+
+
+def _next_second(s3: Any, path: str) -> None:
+    """Wait until the clock is past the second ``path`` was last written in: a write now changes its
+    Last-Modified (in whole seconds)."""
+    written = s3.info(path)["LastModified"].timestamp()
+    wait_for(lambda: time.time() >= int(written) + 1, timeout=5)
+
+
+@pytest.mark.parametrize("listing_has_etags", [False, True], ids=["listed-without-etags", "if-match-ignored"])
+def test_replies_without_an_etag_are_pinned_by_their_last_modified(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], listing_has_etags: bool
+) -> None:
+    """A store whose replies carry no ETag, and whose listing names none or which ignores If-Match: reads
+    of one listed version are pinned by Last-Modified (the first reply's, and the listing's where it has
+    no ETag), so an object rewritten between two of its reads (or, listed without ETags, after its
+    listing) is changed, never read from another version."""
+    proxy = quirky(reply_etag=lambda etag: b"", ignore_if_match=listing_has_etags,
+                   listing_body=None if listing_has_etags else _no_listed_etags)
+    remote, obj = _listed(s3, bucket, proxy)
+    assert obj.etag is not None and obj.etag.startswith("modified:") != listing_has_etags
+    assert remote.fetch(obj, 0, 100) == DATA[:100]
+    _next_second(s3, obj.path)
+    s3.pipe(obj.path, DATA[::-1])  # rewritten, the same size
+    with pytest.raises(ObjectMissingError, match="changed since it was listed"):
+        remote.fetch(obj, 100, 200)
+    if not listing_has_etags:  # (no first reply to compare with: the listing's LastModified)
+        with pytest.raises(ObjectMissingError, match="changed since it was listed"):
+            RemoteFiles(remote.url, _options(remote.url, proxy)).fetch(obj, 0, 100)
+    assert remote.fetch(_listing(remote), 100, 200) == DATA[::-1][100:200], "the next listing's version reads"
+
+
+def test_an_object_listed_without_an_etag_and_rewritten_is_read_in_the_next_pass(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
+) -> None:
+    """Reads pinned to a first reply's ETag are pinned per listed version (its LastModified): the next
+    listing of a rewritten object reads its new version, rather than asking for the old one for ever."""
+    proxy = quirky(listing_body=_no_listed_etags)
+    remote, obj = _listed(s3, bucket, proxy)
+    assert remote.fetch(obj, 0, 100) == DATA[:100]
+    _next_second(s3, obj.path)
+    s3.pipe(obj.path, DATA[::-1])
+    relisted = _listing(remote)
+    assert relisted.etag != obj.etag
+    assert remote.fetch(relisted, 0, 100) == DATA[::-1][:100]
 
 
 def _strip_tokens(body: bytes) -> bytes:
