@@ -307,13 +307,12 @@ def _content_length(head: bytes) -> int:
 
 def _with_close(head: bytes) -> bytes:
     """``head`` (request or reply headers, ending in a blank line) with ``Connection: close``."""
-    lines = [line for line in head[:-4].split(b"\r\n") if not line.lower().startswith(b"connection:")]
-    return b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n"
+    return _without_close(head)[:-2] + b"Connection: close\r\n\r\n"
 
 
 def _without_close(head: bytes) -> bytes:
-    """``head`` (reply headers, ending in a blank line) without its ``Connection`` header: kept alive, as
-    far as the client can tell."""
+    """``head`` (request or reply headers, ending in a blank line) without its ``Connection`` header (a
+    reply so is kept alive, as far as the client can tell)."""
     lines = [line for line in head[:-4].split(b"\r\n") if not line.lower().startswith(b"connection:")]
     return b"\r\n".join(lines) + b"\r\n\r\n"
 

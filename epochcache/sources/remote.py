@@ -401,9 +401,10 @@ class RemoteFiles:
             # (a listing's LastModified has milliseconds, Last-Modified whole seconds)
             if not served and was is not None and modified is not None and abs(modified - was) >= 1:
                 raise self._changed(obj, f"its Last-Modified went from {was:.0f} to {modified:.0f}")
-            first = self._first_served(obj, _Served(served, modified))
-            if not first.same(served, modified):
-                raise self._changed(obj, f"its first reply was of {first}, this one of {_Served(served, modified)}")
+            this = _Served(served, modified)
+            first = self._first_served(obj, this)
+            if first is not None:
+                raise self._changed(obj, f"its first reply was of {first}, this one of {this}")
         content_range = reply.get("ContentRange")
         match = _CONTENT_RANGE.match(content_range or "")
         if content_range and (match is None or int(match.group(1)) != start):
@@ -444,18 +445,20 @@ class RemoteFiles:
             first = self._served.get((obj.path, obj.etag))
             return first.etag if first is not None else None
 
-    def _first_served(self, obj: RemoteObject, served: _Served) -> _Served:
-        """The version the first reply of this listed version of ``obj`` showed (``served``, if this
-        is the first, or the first to show what ``served`` shows: an ETag after replies without)."""
+    def _first_served(self, obj: RemoteObject, served: _Served) -> _Served | None:
+        """Compare ``served`` with what the first reply of this listed version of ``obj`` showed (kept
+        from it on, filled in by later replies: an ETag after replies without one): None if they
+        agree (or this is the first), else the first's."""
         key = (obj.path, obj.etag)
         with self._served_lock:
             first = self._served.setdefault(key, served)
             self._served.move_to_end(key)
             if len(self._served) > _SERVED_ETAGS:
                 self._served.popitem(last=False)
-            if first.same(served.etag, served.modified):
-                first = self._served[key] = first.merged(served)
-            return first
+            if not first.same(served.etag, served.modified):
+                return first
+            self._served[key] = first.merged(served)
+            return None
 
     async def _get_object(self, obj: RemoteObject, request: dict[str, Any]) -> dict[str, Any]:
         """GetObject's reply to ``request``. A 412 to its If-Match on an object a HEAD shows unchanged
