@@ -30,10 +30,13 @@ from epochcache.errors import ShardCorruptError
 
 log = logging.getLogger(__name__)
 
-# With a live daemon, a file and its record change a few milliseconds apart (publish renames then
-# records; eviction unrecords then deletes): a disagreement counts only if it outlasts this.
+# With a live daemon, a file and its record change apart (publish renames then records, a few ms;
+# eviction unrecords a batch then deletes its files, one by one: 16-24 s for 10,000-32,000 shards): a
+# disagreement counts only if it outlasts this with none of them going away meanwhile, or the longest
+# wait (a daemon that deletes ever more files past it, but not all, leaves those counted).
 _SETTLE_S = 1.0
 _SETTLE_POLL_S = 0.05
+_SETTLE_MOST_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -92,10 +95,8 @@ def check(
     moment to count.
     """
     findings = _scan(layout, ledger)
-    deadline = time.monotonic() + _SETTLE_S
-    while live and findings and time.monotonic() < deadline:
-        time.sleep(_SETTLE_POLL_S)
-        findings = findings & _scan(layout, ledger)
+    if live:
+        findings = _settled(layout, ledger, findings)
     temp = len(findings.temp) - (1 if live and findings.temp else 0)
     adoptable = _adoptable(layout, ledger, findings.unknown, progress)
     corrupt = _corrupt(layout, ledger, progress) if checksums else []
@@ -109,6 +110,25 @@ def check(
         corrupt=len(corrupt),
         quarantine_debris=len(findings.stray_quarantine) + len(findings.lost_quarantine),
     )
+
+
+def _settled(layout: CacheLayout, ledger: Ledger, findings: _Findings) -> _Findings:
+    """Of ``findings``, those that persist while a daemon runs: scanned again until none has gone
+    for :data:`_SETTLE_S` (a daemon still deleting an evicted batch's files makes some go at each
+    scan), or for at most :data:`_SETTLE_MOST_S`."""
+    started = changed = time.monotonic()
+    said = False
+    while findings and time.monotonic() - changed < _SETTLE_S and time.monotonic() - started < _SETTLE_MOST_S:
+        time.sleep(_SETTLE_POLL_S)
+        again = findings & _scan(layout, ledger)
+        if again != findings:
+            changed = time.monotonic()
+            if not said and changed - started > _SETTLE_S:
+                said = True
+                log.info("the running daemon is still deleting evicted shards (%d files to go): waiting for it",
+                         len(again.unknown))
+        findings = again
+    return findings
 
 
 def _scan(layout: CacheLayout, ledger: Ledger) -> _Findings:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from collections.abc import Iterator
 from functools import partial
 
@@ -181,6 +183,20 @@ def test_live_check_tolerates_the_shard_in_progress(layout: CacheLayout, ledger:
     assert check(layout, ledger, live=False) == Repairs(temp_files=1)
     layout.tmp_path("second").write_bytes(b"")  # a daemon writes one shard at a time
     assert check(layout, ledger, live=True) == Repairs(temp_files=1)
+
+
+def test_live_check_waits_out_a_daemon_deleting_an_evicted_batch(layout: CacheLayout, ledger: Ledger) -> None:
+    """Eviction drops a batch's records in one transaction, then deletes the files one by one, for longer
+    than a moment on a large batch: a live check counts none of them while they keep going."""
+    evicted = [publish_shard(layout, ledger, f"s{i}", float(i)) for i in range(40)]
+    ledger.drop([r.id for r in evicted])  # (the records go first, as Ledger.make_room drops them)
+    deleting = threading.Thread(target=lambda: [(time.sleep(0.05), layout.remove(r.filename)) for r in evicted])
+    deleting.start()
+    try:
+        assert check(layout, ledger, live=True) == Repairs(), "files the daemon was still deleting counted"
+    finally:
+        deleting.join()
+    assert list(layout.shards.iterdir()) == []
 
 
 def test_reconcile_empty_cache(layout: CacheLayout, ledger: Ledger) -> None:
