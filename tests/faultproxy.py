@@ -16,7 +16,9 @@ query string: listings are left alone, TLS would guard them) has one random bit 
 before its next GET is forwarded, as a writer racing the reader would (counted as ``"rewrite"``);
 ``ignore_if_match`` drops ``If-Match`` from requests, as a store without conditional reads would;
 ``disguise_etags`` gives every object an ETag that looks like an MD5 but is not one (and maps it back
-in ``If-Match``), as some S3-compatible stores do.
+in ``If-Match``), as some S3-compatible stores do; ``etags_apart`` does so in object GET and HEAD replies
+only, not listings, and refuses a listing's ETag in ``If-Match``, as a store whose listings and GETs
+name versions apart.
 
 Quirky stores: ``range_quirk="ignore"`` drops ``Range`` from object GETs (the store answers 200 with
 the whole object); ``range_quirk="shift"`` asks the store for the range one byte off the one requested
@@ -72,7 +74,8 @@ class FaultProxy:
                  refuse_listing: tuple[int, str] | None = None, listing_body: Callable[[bytes], bytes] | None = None,
                  listing_ignores: Sequence[str] = (),
                  reply_checksums: Callable[[bytes], dict[str, str]] | None = None,
-                 tls: ssl.SSLContext | None = None, silent_close_s: float | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, silent_close_s: float | None = None,
+                 etags_apart: bool = False) -> None:
         parsed = urlparse(upstream)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rate, self.kinds, self.delay_s, self.flip_rate = rate, tuple(kinds), delay_s, flip_rate
@@ -81,6 +84,7 @@ class FaultProxy:
         self.drip_s, self.refuse_checksum_mode, self.reply_etag = drip_s, refuse_checksum_mode, reply_etag
         self.listing_body, self.listing_ignores = listing_body, tuple(name.encode() for name in listing_ignores)
         self.reply_checksums, self._tls, self.silent_close_s = reply_checksums, tls, silent_close_s
+        self.etags_apart = etags_apart
         self.object_get_heads: list[bytes] = []
         self.object_get_replies: list[bytes] = []
         self.listings = 0  # listing requests (a GET with a query string)
@@ -188,9 +192,14 @@ class FaultProxy:
             head = b"\r\n".join(line for line in head.split(b"\r\n") if not line.lower().startswith(b"if-match:"))
         if self.disguise_etags:
             head = _ETAG_HEX.sub(lambda m: self._disguised.get(m.group(0), m.group(0)), head)
+        if self.etags_apart:  # If-Match takes the replies' ETags only: a listing's is refused
+            head = re.sub(rb"(?im)^if-match:.*$", lambda line: _ETAG_HEX.sub(
+                lambda m: self._disguised.get(m.group(0), b"0" * 32), line.group(0)), head)
         reply = await self._forward(head, body)
         if self.disguise_etags:
             reply = self._disguise(reply, listing=not is_object_get)
+        elif self.etags_apart and not is_listing:
+            reply = self._disguise(reply, listing=False)
         if self.listing_etag is not None and is_listing:
             reply = _with_body(reply, partial(_respell, respell=self.listing_etag))
         if self.listing_body is not None and is_listing:

@@ -21,7 +21,9 @@ Pinning (invariant: bytes of one read all come from the version the listing saw)
   object answers 412 instead of bytes of another version cut at the stale size. (Of an object listed
   without one, whose version is then its listing's LastModified and size, the ETag the first read of
   that listed version was served with pins the reads after it; of replies without an ETag, their
-  Last-Modified, compared with the first reply's and with a listing's without ETags.) (ListObjectsV2
+  Last-Modified, compared with the first reply's and with a listing's without ETags. A store whose
+  GETs refuse an object's listed ETag while a listing still names it has its listings' ETags given
+  up: each object's reads are pinned to its first reply's.) (ListObjectsV2
   names no VersionId; the ETag pins versioned buckets as well.) The reply's ETag is compared too
   (without quotes, ``W/`` or case), for stores that ignore ``If-Match``; a store whose ``If-Match``
   refuses its own listing's spelling of an unchanged object's ETag (a HEAD shows it unchanged) is
@@ -113,11 +115,6 @@ def _seconds(when: Any) -> float | None:
     return float(timestamp()) if callable(timestamp) else None
 
 
-def _listed_etag(obj: RemoteObject) -> str | None:
-    """The store's ETag the listing gave ``obj`` (None for none, or a ``modified:`` version)."""
-    return obj.etag if obj.etag and not obj.etag.startswith(_MODIFIED) else None
-
-
 def _listed_modified(obj: RemoteObject) -> float | None:
     """The LastModified of the listing's ``modified:`` version of ``obj``, if it has one."""
     if not obj.etag or not obj.etag.startswith(_MODIFIED):
@@ -193,6 +190,7 @@ class RemoteFiles:
         self.local = bool({"file", "local"} & set(protocols))
         self._etags_are_md5 = True  # until the store shows otherwise (see _s3_read)
         self._if_match = True  # until the store refuses an unchanged object's ETag (see _get_object)
+        self._listing_etags = True  # until its GETs name an unchanged object otherwise (see _get_object)
         self._checksum_mode = True  # until the store refuses x-amz-checksum-mode (see _get_object)
         self._served: OrderedDict[tuple[str, str | None], _Served] = OrderedDict()  # see _pin
         self._said_unchecked = False  # see _s3_read
@@ -392,19 +390,20 @@ class RemoteFiles:
         Without a listed ETag and a reply's to compare, the reply's ETag, else its Last-Modified, is
         compared with the first reply's for this listed version (so the reads of one pass are of one
         version), and a Last-Modified with the listing's, where it has one and no ETag."""
-        served, modified, listed = reply.get("ETag"), _seconds(reply.get("LastModified")), _listed_etag(obj)
-        if listed and served:
-            if bare_etag(served) != bare_etag(listed):
-                raise self._changed(obj, f"its ETag went from {listed} to {served}")
-        else:
-            was = _listed_modified(obj)
-            # (a listing's LastModified has milliseconds, Last-Modified whole seconds)
-            if not served and was is not None and modified is not None and abs(modified - was) >= 1:
-                raise self._changed(obj, f"its Last-Modified went from {was:.0f} to {modified:.0f}")
-            this = _Served(served, modified)
-            first = self._first_served(obj, this)
-            if first is not None:
-                raise self._changed(obj, f"its first reply was of {first}, this one of {this}")
+        served, modified = reply.get("ETag") or None, _seconds(reply.get("LastModified"))  # ("": none sent)
+        listed = self._listed_etag(obj)
+        if listed and served and bare_etag(served) != bare_etag(listed):
+            raise self._changed(obj, f"its ETag went from {listed} to {served}")
+        was = _listed_modified(obj)
+        # (a listing's LastModified has milliseconds, Last-Modified whole seconds)
+        if not served and was is not None and modified is not None and abs(modified - was) >= 1:
+            raise self._changed(obj, f"its Last-Modified went from {was:.0f} to {modified:.0f}")
+        # (kept with a listed ETag too: should the listing's ETags be given up, reads of an object
+        # already read stay pinned to what it served)
+        this = _Served(served, modified)
+        first = self._first_served(obj, this)
+        if first is not None:
+            raise self._changed(obj, f"its first reply was of {first}, this one of {this}")
         content_range = reply.get("ContentRange")
         match = _CONTENT_RANGE.match(content_range or "")
         if content_range and (match is None or int(match.group(1)) != start):
@@ -423,7 +422,7 @@ class RemoteFiles:
         bucket, key, _ = self.fs.split_path(obj.path)
         request: dict[str, Any] = {"Bucket": bucket, "Key": key}
         # (an empty object has no byte to range; a whole one pinned by If-Match cannot grow unseen)
-        unranged = (whole and _listed_etag(obj)) or (start == 0 and obj.size == 0)
+        unranged = (whole and self._listed_etag(obj)) or (start == 0 and obj.size == 0)
         if not unranged:
             request["Range"] = f"bytes={start}-{end - 1}"
         elif self._checksum_mode:
@@ -438,12 +437,17 @@ class RemoteFiles:
         without one, the one its first read of this listed version was served with (so a footer and the
         units read after it are of one version: an object rewritten since is changed, as with a listed
         ETag); None if neither is known."""
-        listed = _listed_etag(obj)
+        listed = self._listed_etag(obj)
         if listed is not None:
             return listed
         with self._served_lock:
             first = self._served.get((obj.path, obj.etag))
             return first.etag if first is not None else None
+
+    def _listed_etag(self, obj: RemoteObject) -> str | None:
+        """The store's ETag the listing gave ``obj``: None for none, for a ``modified:`` version, or
+        once the store's GETs showed that its listing's ETags are not theirs (see :meth:`_get_object`)."""
+        return obj.etag if self._listing_etags and obj.etag and not obj.etag.startswith(_MODIFIED) else None
 
     def _first_served(self, obj: RemoteObject, served: _Served) -> _Served | None:
         """Compare ``served`` with what the first reply of this listed version of ``obj`` showed (kept
@@ -464,7 +468,10 @@ class RemoteFiles:
         """GetObject's reply to ``request``. A 412 to its If-Match on an object a HEAD shows unchanged
         (the same ETag but for quotes, ``W/`` or case, and size) means the store's If-Match refuses its
         own listing's spelling: every read would be refused. The source then reads without If-Match
-        (the reply's ETag still pins each read, :meth:`_check_served`), saying so once."""
+        (the reply's ETag still pins each read, :meth:`_check_served`), saying so once. One whose HEAD
+        names another ETag while a listing of it still names the listed one (and size) means the
+        store's GETs and listings name versions apart: its listings' ETags are given up (each object's
+        reads pinned to its first reply's instead), saying so once; else the object changed."""
         try:
             return await self.fs._call_s3("get_object", **request)
         except OSError as exc:
@@ -477,8 +484,18 @@ class RemoteFiles:
                                 "objects under %s are checked by their MD5 ETag alone from now on",
                                 self._url(obj.path), _status(exc), self.url)
                 return reply
-            if "IfMatch" not in request or not _precondition_failed(exc) or not await self._unchanged(obj):
+            if "IfMatch" not in request or not _precondition_failed(exc):
                 raise
+            if not await self._unchanged(obj):
+                if not await self._still_listed(obj):
+                    raise
+                if self._listing_etags:
+                    self._listing_etags = False
+                    log.warning("%s: the store's GETs refuse its listing's ETag %s, and a listing still names it: "
+                                "its listings and GETs name versions apart, so reads under %s are pinned to the "
+                                "ETag of each object's first reply from now on", self._url(obj.path), obj.etag,
+                                self.url)
+                return await self._get_object(obj, {k: v for k, v in request.items() if k != "IfMatch"})
         if self._if_match:
             self._if_match = False
             log.warning("%s: the store refuses If-Match %s though a HEAD shows the object unchanged: reads under %s "
@@ -492,6 +509,15 @@ class RemoteFiles:
         etag = head.get("ETag")
         unchanged = obj.etag and etag and bare_etag(etag) == bare_etag(obj.etag)
         return bool(unchanged and head.get("ContentLength") == obj.size)
+
+    async def _still_listed(self, obj: RemoteObject) -> bool:
+        """Whether a listing of ``obj``'s key names its listed version (ETag compared as :func:`bare_etag`,
+        and size)."""
+        bucket, key, _ = self.fs.split_path(obj.path)
+        page = await self.fs._call_s3("list_objects_v2", Bucket=bucket, Prefix=key, MaxKeys=1)
+        entry: dict[str, Any] = next((e for e in page.get("Contents", []) if e.get("Key") == key), {})
+        listed = obj.etag and entry.get("ETag") and bare_etag(entry["ETag"]) == bare_etag(obj.etag)
+        return bool(listed and entry.get("Size") == obj.size)
 
     async def _s3_get(self, obj: RemoteObject, start: int, end: int, whole: bool) -> tuple[bytes, dict[str, Any]]:
         """One GetObject (:meth:`_s3_request`): its body and its reply."""
@@ -544,10 +570,12 @@ class _Served(NamedTuple):
     modified: float | None
 
     def same(self, etag: str | None, modified: float | None) -> bool:
-        """Whether a reply showing ``etag`` and ``modified`` may be of this version: they agree where
-        both show one (replies without either cannot be told apart)."""
-        return (etag is None or self.etag is None or bare_etag(etag) == bare_etag(self.etag)) and \
-            (modified is None or self.modified is None or modified == self.modified)
+        """Whether a reply showing ``etag`` and ``modified`` may be of this version: their ETags agree
+        where both show one, else their Last-Modified where both show one (a store may stamp replies of
+        one version with the time they were sent; replies without either cannot be told apart)."""
+        if etag is not None and self.etag is not None:
+            return bare_etag(etag) == bare_etag(self.etag)
+        return modified is None or self.modified is None or modified == self.modified
 
     def merged(self, other: _Served) -> _Served:
         """This version, with what ``other`` (the same) shows where this shows nothing."""

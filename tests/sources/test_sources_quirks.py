@@ -402,6 +402,25 @@ def test_an_object_listed_without_an_etag_and_rewritten_is_read_in_the_next_pass
     assert remote.fetch(relisted, 0, 100) == DATA[::-1][:100]
 
 
+def test_a_store_whose_gets_and_listings_name_versions_apart_is_read_pinned_to_its_first_replies(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store whose GETs and HEADs name other ETags than its listing, and whose If-Match takes only
+    theirs: an unchanged object is read (once a listing shows it unchanged, the listing's ETags are given
+    up, with a warning, and each object's reads are pinned to its first reply's ETag), never skipped
+    as changed pass after pass; one rewritten after that is still changed."""
+    proxy = quirky(etags_apart=True)
+    remote, obj = _listed(s3, bucket, proxy)
+    with caplog.at_level(logging.WARNING, logger="epochcache.sources.remote"):
+        assert remote.fetch(obj, 0, 100) == DATA[:100]
+        assert remote.fetch(obj, 100, 200) == DATA[100:200]
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "name versions apart" in messages[0], messages
+    s3.pipe(obj.path, DATA[::-1])  # rewritten, the same size
+    with pytest.raises(ObjectMissingError, match="changed since it was listed"):
+        remote.fetch(obj, 200, 300)
+
+
 def _strip_tokens(body: bytes) -> bytes:
     return re.sub(rb"<NextContinuationToken>[^<]*</NextContinuationToken>", b"", body)
 
