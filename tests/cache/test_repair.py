@@ -188,7 +188,7 @@ def test_live_check_tolerates_the_shard_in_progress(layout: CacheLayout, ledger:
 def test_live_check_waits_out_a_daemon_deleting_an_evicted_batch(layout: CacheLayout, ledger: Ledger) -> None:
     """Eviction drops a batch's records in one transaction, then deletes the files one by one, for longer
     than a moment on a large batch: a live check counts none of them while they keep going."""
-    evicted = [publish_shard(layout, ledger, f"s{i}", float(i)) for i in range(40)]
+    evicted = [publish_shard(layout, ledger, f"s{i}", float(i)) for i in range(25)]
     ledger.drop([r.id for r in evicted])  # (the records go first, as Ledger.make_room drops them)
     deleting = threading.Thread(target=lambda: [(time.sleep(0.05), layout.remove(r.filename)) for r in evicted])
     deleting.start()

@@ -144,6 +144,7 @@ def test_a_store_that_closes_kept_alive_connections_unannounced_has_every_row_re
     assert sorted(i for ids in cached.values() for i in ids) == list(range(4 * ROWS)), "every row, once"
 
 
+@pytest.mark.slow  # (4 s: each stall waits out request_timeout_s)
 def test_stalling_connections_never_hang_the_daemon(
     s3: Any, bucket: str, proxy: FaultProxy, make_config: Callable[..., Config]
 ) -> None:
