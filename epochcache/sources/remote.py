@@ -389,21 +389,22 @@ class RemoteFiles:
 
         Without a listed ETag and a reply's to compare, the reply's ETag, else its Last-Modified, is
         compared with the first reply's for this listed version (so the reads of one pass are of one
-        version), and a Last-Modified with the listing's, where it has one and no ETag."""
+        version), and a Last-Modified with the listing's, where it has one and no ETag. (Only then is
+        a first reply kept: reads pinned by listed ETags keep none in memory.)"""
         served, modified = reply.get("ETag") or None, _seconds(reply.get("LastModified"))  # ("": none sent)
         listed = self._listed_etag(obj)
-        if listed and served and bare_etag(served) != bare_etag(listed):
-            raise self._changed(obj, f"its ETag went from {listed} to {served}")
-        was = _listed_modified(obj)
-        # (a listing's LastModified has milliseconds, Last-Modified whole seconds)
-        if not served and was is not None and modified is not None and abs(modified - was) >= 1:
-            raise self._changed(obj, f"its Last-Modified went from {was:.0f} to {modified:.0f}")
-        # (kept with a listed ETag too: should the listing's ETags be given up, reads of an object
-        # already read stay pinned to what it served)
-        this = _Served(served, modified)
-        first = self._first_served(obj, this)
-        if first is not None:
-            raise self._changed(obj, f"its first reply was of {first}, this one of {this}")
+        if listed and served:
+            if bare_etag(served) != bare_etag(listed):
+                raise self._changed(obj, f"its ETag went from {listed} to {served}")
+        else:
+            was = _listed_modified(obj)
+            # (a listing's LastModified has milliseconds, Last-Modified whole seconds)
+            if not served and was is not None and modified is not None and abs(modified - was) >= 1:
+                raise self._changed(obj, f"its Last-Modified went from {was:.0f} to {modified:.0f}")
+            this = _Served(served, modified)
+            first = self._first_served(obj, this)
+            if first is not None:
+                raise self._changed(obj, f"its first reply was of {first}, this one of {this}")
         content_range = reply.get("ContentRange")
         match = _CONTENT_RANGE.match(content_range or "")
         if content_range and (match is None or int(match.group(1)) != start):
