@@ -8,10 +8,23 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 from epochcache.cache.lockfile import exclusive, holder
+
+# Asks who holds the lock as fast as it can until its stdin closes (a trainer waiting for a daemon).
+_PROBING = """
+import sys, threading
+from epochcache.cache.lockfile import holder
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+print("probing", flush=True)
+while not done.is_set():
+    holder(sys.argv[1])
+"""
 
 
 def _child(started: Any, done: Any) -> None:
@@ -36,3 +49,20 @@ def test_a_process_forked_while_the_lock_is_held_does_not_keep_it(tmp_path: Path
         done.set()
         child.join(30)
     assert child.exitcode == 0
+
+
+def test_a_daemon_starting_while_another_process_asks_who_holds_the_lock_takes_it(tmp_path: Path) -> None:
+    lock = tmp_path / "daemon.lock"
+    lock.touch()
+    probe = subprocess.Popen([sys.executable, "-c", _PROBING, str(lock)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert probe.stdout is not None and probe.stdout.readline() == "probing\n"
+        for _ in range(100):
+            with exclusive(lock):  # a probe holding it shared for an instant is not a daemon
+                assert holder(lock) == os.getpid()
+    finally:
+        assert probe.stdin is not None
+        probe.stdin.close()
+        probe.wait(30)
+    assert probe.returncode == 0
