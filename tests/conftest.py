@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -9,6 +10,7 @@ import sqlite3
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -116,6 +118,32 @@ def make_config(tmp_path: Path) -> Callable[..., Config]:
         return load_config(None, values)
 
     return build
+
+
+class _Cycle:
+    """Garbage only the cyclic collector frees: it refers to itself."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def dropped_cycle() -> weakref.ref[Any]:
+    """A weak reference to cyclic garbage made now: dead once a collection that may free it ran."""
+    return weakref.ref(_Cycle())
+
+
+@pytest.fixture
+def collector_off() -> Iterator[None]:
+    """The heap unfrozen (a loader with workers not closed earlier in this process may have frozen it)
+    and collected (on Python 3.12 that leaves its immortal objects frozen, as in any process that has
+    run a while), then no automatic collection during the test: garbage it makes lives until a
+    ``gc.collect()`` may free it, not until a collection set off by chance (before a freeze it means
+    to test, say)."""
+    gc.unfreeze()
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 30.0, interval: float = 0.01) -> Any:

@@ -31,15 +31,28 @@ def frozen_heap() -> Iterator[None]:
         yield
 
 
+# frozen_objects blocks open in this process. Counted, not read off gc.get_freeze_count(): Python
+# 3.12 keeps its immortal objects in the frozen generation (375 of them at start, back after each
+# full collection), so that count is never 0 there and a heap frozen for workers was never unfrozen.
+_depth = 0
+_depth_lock = threading.Lock()
+
+
 @contextmanager
 def frozen_objects() -> Iterator[None]:
     """Leave the objects alive now out of garbage collection until the block ends; then they are
-    collected as before (cyclic garbage among them waits until then), unless objects were frozen
-    before (a loader's workers still running, a daemon's run): those stay frozen, and so do these."""
-    frozen_before = gc.get_freeze_count() > 0
-    gc.freeze()
+    collected as before (cyclic garbage among them waits until then), unless another block is still
+    open (a loader's workers still running, a daemon's run): those objects stay frozen, and so do
+    these, until the last block ends. (An earlier ``gc.freeze()`` of the program's own is undone then
+    too: nothing tells it apart from the immortal objects Python 3.12 keeps frozen.)"""
+    global _depth
+    with _depth_lock:
+        _depth += 1
+        gc.freeze()
     try:
         yield
     finally:
-        if not frozen_before:
-            gc.unfreeze()
+        with _depth_lock:
+            _depth -= 1
+            if not _depth:
+                gc.unfreeze()

@@ -15,13 +15,14 @@ from typing import Any
 import fsspec
 import pyarrow as pa
 import pytest
-from conftest import DaemonThread, wait_for, write_parquet_dataset
+from conftest import DaemonThread, dropped_cycle, wait_for, write_parquet_dataset
 
 import epochcache.sync.daemon as daemon_module
 from epochcache import SyncDaemon
 from epochcache.config import Config
 from epochcache.seeding import permutation
 from epochcache.sources.base import RemoteObject, Unit
+from epochcache.sync.memory import frozen_objects
 from epochcache.sync.sampler import Cursor, Sampler
 from epochcache.sync.walk import _Arriving
 
@@ -131,35 +132,46 @@ def config(tmp_path: Path, make_config: Callable[..., Config]) -> Config:
     return make_config(remote, **{"cache.max_bytes": "20MB", "cache.shard_bytes": "64KiB"})
 
 
+@pytest.mark.usefixtures("collector_off")
 def test_a_run_in_the_main_thread_freezes_the_heap_it_began_with_and_unfreezes_it(config: Config) -> None:
-    gc.unfreeze()  # a loader with workers earlier in this process froze its heap before forking them
-    during: list[int] = []
-    daemon = SyncDaemon(config, progress=False, on_fetch=lambda unit: during.append(gc.get_freeze_count()))
-    report = daemon.run(once=True)
-    assert report.units_fetched == len(during) == 12
-    assert min(during) > 0  # the objects alive at the start (this test's among them) were frozen
-    assert gc.get_freeze_count() == 0
+    garbage = dropped_cycle()
+    alive: list[bool] = []
+
+    def collect(unit: Unit) -> None:
+        gc.collect()
+        alive.append(garbage() is not None)
+
+    report = SyncDaemon(config, progress=False, on_fetch=collect).run(once=True)
+    assert report.units_fetched == len(alive) == 12
+    assert all(alive), "the objects alive at the start (this garbage among them) are frozen"
+    gc.collect()
+    assert garbage() is None, "and collected again after the run"
 
 
-def test_a_heap_frozen_before_the_run_stays_frozen(config: Config) -> None:
-    gc.freeze()  # what a loader does before forking its workers
-    try:
-        before = gc.get_freeze_count()
+@pytest.mark.usefixtures("collector_off")
+def test_a_run_while_a_loaders_workers_run_leaves_their_heap_frozen(config: Config) -> None:
+    garbage = dropped_cycle()
+    with frozen_objects():  # what a loader holds from its workers' fork to its close
         SyncDaemon(config, progress=False).run(once=True)
-        assert gc.get_freeze_count() >= before > 0
-    finally:
-        gc.unfreeze()
+        gc.collect()
+        assert garbage() is not None
+    gc.collect()
+    assert garbage() is None
 
 
+@pytest.mark.usefixtures("collector_off")
 def test_a_run_in_another_thread_leaves_the_collector_alone(config: Config) -> None:
-    gc.unfreeze()
-    before = gc.get_freeze_count()
-    counts: list[int] = []
-    daemon = SyncDaemon(config, progress=False, on_fetch=lambda unit: counts.append(gc.get_freeze_count()))
-    runner = DaemonThread(daemon, once=True)
+    garbage = dropped_cycle()
+    freed: list[bool] = []
+
+    def collect(unit: Unit) -> None:
+        gc.collect()
+        freed.append(garbage() is None)
+
+    runner = DaemonThread(SyncDaemon(config, progress=False, on_fetch=collect), once=True)
     wait_for(lambda: runner.report is not None or runner.error)
-    assert runner.stop().units_fetched == len(counts) == 12
-    assert set(counts) == {before}
+    assert runner.stop().units_fetched == len(freed) == 12
+    assert all(freed)
 
 
 def test_an_empty_cache_reads_one_unit_at_a_time_until_its_first_shard_is_published(
