@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from epochcache.arrays import numbers, text
 from epochcache.errors import SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject
 from epochcache.sources.footers import FooterStore
@@ -67,9 +68,9 @@ class FileSource:
     @staticmethod
     def _keyed(table: pa.Table, prefix: str, first: int) -> pa.Table:
         """``table`` with :data:`KEY_COLUMN` appended: ``<prefix><first + row>`` for each row."""
-        rows = pa.array(np.arange(first, first + table.num_rows, dtype=np.int64))
-        keys = pc.binary_join_element_wise(prefix, pc.cast(rows, pa.string(), memory_pool=ROWS_POOL), "",
-                                           memory_pool=ROWS_POOL)
+        rows = numbers(np.arange(first, first + table.num_rows, dtype=np.int64))
+        keys = pc.binary_join_element_wise(text(prefix), pc.cast(rows, pa.string(), memory_pool=ROWS_POOL),
+                                           text(""), memory_pool=ROWS_POOL)
         return table.append_column(KEY_COLUMN, keys)
 
     def scan_objects(self) -> Iterator[list[RemoteObject]]:

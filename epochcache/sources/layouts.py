@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from epochcache.arrays import numbers
 from epochcache.cache.columns import DTYPE_KEY, SHAPE_KEY
 
 
@@ -47,7 +48,7 @@ def tensor_table(columns: dict[str, np.ndarray]) -> pa.Table:
             arrays.append(tensor_column(values))
         else:
             fields.append(pa.field(name, pa.from_numpy_dtype(values.dtype), nullable=False))
-            arrays.append(pa.array(values))
+            arrays.append(numbers(values))
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 

@@ -25,11 +25,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
+from epochcache.arrays import binaries, numbers, texts
 from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
 from epochcache.sources.files import FileSource
@@ -79,21 +81,21 @@ class ObjectSource(FileSource):
             raise CorruptObjectError(f"{unit.obj.path} is {unit.obj.size} bytes, over sampler.max_sample_bytes="
                                      f"{self.max_sample_bytes}: raise it if such samples are wanted")
         data = self._remote.fetch_whole(unit.obj)
-        table = pa.table({"data": pa.array([data], pa.binary())})
+        table = pa.table({"data": binaries([data])})
         if self._labels_from == LABELS_FROM_FOLDER:
             name = self._class_of(unit.obj)
             classes = self.classes()
             field = pa.field("label", pa.int32(), metadata={"classes": json.dumps(classes)})
-            table = table.append_column(field, pa.array([classes.index(name)], pa.int32()))
-            table = table.append_column("label_name", pa.array([name], pa.string()))
+            table = table.append_column(field, numbers(np.array([classes.index(name)], np.int32)))
+            table = table.append_column("label_name", texts([name]))
         elif self._sidecar is not None:
             row = self._rows.get(posixpath.relpath(unit.obj.path, self._remote.root))
-            labels = self._sidecar.take(pa.array([row], pa.int64()))
+            labels = self._sidecar.slice(row, 1) if row is not None else _nulls(self._sidecar.schema)
             for name in labels.column_names:
                 table = table.append_column(name, labels.column(name))
         if self.columns is not None:
             table = table.select(self.columns)
-        return table.append_column(KEY_COLUMN, pa.array([f"{unit.obj.path}:0"], pa.string()))
+        return table.append_column(KEY_COLUMN, texts([f"{unit.obj.path}:0"]))
 
     def classes(self) -> list[str]:
         """The sorted names of the folders directly under the URL (``labels: folder``): ``label``
@@ -140,3 +142,8 @@ class ObjectSource(FileSource):
         keys = table.column("key").cast(pa.string()).to_pylist()
         self._rows = {key: row for row, key in enumerate(keys)}
         self._sidecar, self._sidecar_path = table.drop_columns(["key"]), path
+
+
+def _nulls(schema: pa.Schema) -> pa.Table:
+    """One row of nulls in ``schema``: the labels of an object the sidecar table has no row for."""
+    return pa.Table.from_arrays([pa.nulls(1, field.type) for field in schema], schema=schema)

@@ -18,6 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from epochcache.arrays import binaries, texts
 from epochcache.errors import CorruptObjectError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
 from epochcache.sources.files import FileSource
@@ -48,8 +49,8 @@ class WebDatasetSource(FileSource):
         data = self._remote.fetch_whole(unit.obj)
         samples = _samples(unit.key, data, self.max_sample_bytes)
         fields = self.columns or sorted({name for sample in samples.values() for name in sample})
-        table = pa.table({name: pa.array([s.get(name) for s in samples.values()], pa.binary()) for name in fields})
-        keys = pa.array([f"{unit.obj.path}:{key}" for key in samples], pa.string())
+        table = pa.table({name: binaries([s.get(name) for s in samples.values()]) for name in fields})
+        keys = texts([f"{unit.obj.path}:{key}" for key in samples])
         return table.append_column(KEY_COLUMN, keys)
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
+from epochcache.arrays import flags
 from epochcache.cache.publisher import EPOCH_FILL
 from epochcache.config import SamplerConfig
 from epochcache.sources import RemoteObject, Source, Unit
@@ -108,7 +109,7 @@ class Slicer:
         """The rows of ``table`` (all of ``unit``'s rows, as read) in the unit's slice."""
         if unit.part is None:
             return table
-        return table.filter(pa.array(self._draw(unit, table.num_rows) == unit.part))
+        return table.filter(flags(self._draw(unit, table.num_rows) == unit.part))
 
     def _draw(self, unit: Unit, rows: int) -> np.ndarray:
         whole = f"{unit.obj.path}#{unit.index}"

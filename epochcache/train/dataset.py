@@ -41,6 +41,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import Dataset
 
+from epochcache.arrays import numbers
 from epochcache.train.held import BufferColumn, Column, HeldShards, StringColumn, Views, distinct
 from epochcache.train.jobs import FENCE, Job, Planned, run_in_order
 from epochcache.train.mappings import DEFAULT_MAX_OPEN_SHARDS, ShardMaps
@@ -246,7 +247,7 @@ class ShardSetDataset(Dataset[Batch]):
                 if isinstance(col, (BufferColumn, StringColumn)):
                     values[name].extend(col.take(rows[start:end]))
                 else:
-                    values[name].append(col.take(pa.array(rows[start:end])))
+                    values[name].append(col.take(numbers(rows[start:end])))
         back = np.argsort(order)  # where each row of the batch is in the grouped order
         return {name: _reorder(values[name], back, self._shards.reference()[name]) for name in names}
 
@@ -269,7 +270,7 @@ def _reorder(values: list[Any], back: np.ndarray, column: Column) -> Any:
     if not values:
         return column.slice(0, 0) if isinstance(column, pa.Array) else []
     joined = pa.concat_arrays(values) if len(values) != 1 else values[0]
-    return joined.take(pa.array(back))
+    return joined.take(numbers(back))
 
 
 def _join(parts: list[Any], column: Column) -> Any:

@@ -26,6 +26,7 @@ from typing import Any, Union
 import numpy as np
 import pyarrow as pa
 
+from epochcache.arrays import numbers, numpy_view, unpacked
 from epochcache.cache.columns import is_binary, is_fixed_width, is_string
 from epochcache.errors import LoaderError, ShardCorruptError
 from epochcache.sources.base import KEY_COLUMN
@@ -42,11 +43,11 @@ Views = dict[str, Column]
 _CLOSED, _HELD, _UNREADABLE = 0, 1, 2
 
 
-def distinct(numbers: np.ndarray) -> np.ndarray:
+def distinct(values: np.ndarray) -> np.ndarray:
     """The distinct values of a 1-D integer array, sorted: ``np.unique``'s result. (numpy 2.x's
     ``np.unique`` imports ``numpy.ma`` on its first call in a process: measured 20 ms, paid by each
     worker process and by the trainer on the way to an epoch's first batch.)"""
-    ordered = np.sort(numbers)
+    ordered = np.sort(values)
     first = np.empty(ordered.size, dtype=bool)
     first[:1] = True
     np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
@@ -254,17 +255,6 @@ def _describe(types: dict[str, pa.DataType]) -> str:
     return "[" + ", ".join(f"{name}: {kind}" for name, kind in types.items()) + "]"
 
 
-def numpy_view(array: pa.Array) -> np.ndarray:
-    """A zero-copy ``(rows, *item_shape)`` numpy view of a fixed-width column without nulls."""
-    if isinstance(array.type, pa.FixedShapeTensorType):
-        return np.ascontiguousarray(array.to_numpy_ndarray())
-    shape = [len(array)]
-    while pa.types.is_fixed_size_list(array.type):
-        shape.append(array.type.list_size)
-        array = array.flatten()
-    return np.ascontiguousarray(array.to_numpy(zero_copy_only=True).reshape(shape))
-
-
 class StringColumn:
     """A string column: Python ``str`` per row (None for a null), decoded per batch."""
 
@@ -272,7 +262,7 @@ class StringColumn:
         self._array = array
 
     def take(self, rows: np.ndarray) -> list[str | None]:
-        return self._array.take(rows).to_pylist()  # type: ignore[no-any-return]
+        return self._array.take(numbers(rows)).to_pylist()  # type: ignore[no-any-return]
 
 
 class BufferColumn:
@@ -283,7 +273,7 @@ class BufferColumn:
         dtype = np.int64 if pa.types.is_large_binary(array.type) or pa.types.is_large_string(array.type) else np.int32
         self._offsets = np.frombuffer(offsets, dtype)[array.offset : array.offset + len(array) + 1]
         self._data = data if data is not None else pa.py_buffer(b"")
-        self._valid = array.is_valid().to_numpy(zero_copy_only=False) if array.null_count else None
+        self._valid = unpacked(array.is_valid()) if array.null_count else None
 
     def take(self, rows: np.ndarray) -> list[pa.Buffer | None]:
         """Zero-copy slices of the data buffer for ``rows``; None where a row is null."""
