@@ -33,6 +33,22 @@ ITEM_SHAPE = (3, 16, 16)
 logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's per-request lines drown real logs
 
 
+_SESSION_ENDPOINTS: set[str] = set()  # the moto server's, once started (s3_endpoint)
+
+
+@pytest.fixture(autouse=True)
+def _no_filesystem_kept() -> Iterator[None]:
+    """A test's S3 filesystems of other endpoints than the session's moto server (its fault proxies,
+    on ports of their own) forgotten by fsspec's instance cache once it ends. Each kept one more
+    client and its service model: 2.6 million objects after tests/sources/, which every full
+    collection of this process walked (2.1 s each). The moto server's is kept: every test reuses it."""
+    yield
+    cache = s3fs.S3FileSystem._cache  # (clear_instance_cache() would drop the shared one too)
+    for token, fs in list(cache.items()):
+        if fs.client_kwargs.get("endpoint_url") not in _SESSION_ENDPOINTS:
+            del cache[token]
+
+
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No test sees the developer's EPOCHCACHE_* or AWS settings; credentials are moto's dummies."""
@@ -52,6 +68,7 @@ def s3_endpoint() -> Iterator[str]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
     host, port = server.get_host_and_port()
+    _SESSION_ENDPOINTS.add(f"http://{host}:{port}")
     yield f"http://{host}:{port}"
     server.stop()
 
