@@ -98,6 +98,11 @@ class CacheLayout:
         return self.shards / f"{shard_id}{TMP_SUFFIX}"
 
     def remove(self, filename: str) -> None:
-        """Delete a shard file that the ledger no longer records, from shards/ or quarantine/."""
-        (self.shards / filename).unlink(missing_ok=True)
-        (self.quarantine / filename).unlink(missing_ok=True)
+        """Delete a shard file that the ledger no longer records, from shards/ or quarantine/ (one
+        system call when it is in shards/, with no Path made: an eviction batch removes 100,000)."""
+        for folder in (self.shards, self.quarantine):
+            try:
+                os.unlink(os.path.join(folder, filename))
+                return
+            except FileNotFoundError:
+                pass

@@ -53,7 +53,7 @@ from epochcache.cache.ledger_leases import Leases, end_ended_leases, live_leases
 from epochcache.cache.ledger_quarantine import QuarantineTable
 from epochcache.cache.ledger_records import Lease, Quarantined, ShardRecord, Stage, Usage, by_age, take_until
 from epochcache.cache.ledger_schema import DB_NAME, LEGACY_DB_NAME, OPEN_PATIENCE_S, Connect, connect, open_elsewhere
-from epochcache.cache.ledger_uses import COLUMNS, FOLD, choose_by_index, clock, record
+from epochcache.cache.ledger_uses import COLUMNS, choose_by_index, clock, record, retire
 from epochcache.cache.shard_files import whole_shards
 from epochcache.errors import CacheError
 
@@ -269,9 +269,9 @@ class Ledger:
 
         ``choose`` orders all shards not yet retiring, leased or not, so a policy is never bent by
         leases. Picked shards become *retiring*: new snapshots leave them out, and each is evicted as
-        soon as no lease holds it. Returns the evicted records (already removed from the ledger; the
-        caller deletes their files), or None when the retiring shards free too little yet; then
-        nothing is reserved and the caller waits. ``choose=lambda *_: []`` reserves only if the room
+        soon as no lease holds it. Returns the evicted records (their units left out; already removed
+        from the ledger; the caller deletes their files), or None when the retiring shards free too
+        little yet; then nothing is reserved and the caller waits. ``choose=lambda *_: []`` reserves only if the room
         is free and never retires anything. Cost: O(k log n) for k victims with an indexed chooser.
         Leases that ended unreleased (their owner killed) are deleted first, as ``epochcache gc`` does.
         """
@@ -289,9 +289,7 @@ class Ledger:
                 retiring_bytes = con.execute("SELECT bytes FROM totals WHERE state = 1").fetchone()[0]
                 if goal > retiring_bytes:
                     picks = _choose(con, choose, goal - retiring_bytes)
-                    now = clock(con)  # their counts are folded in: snapshots leave retiring shards out
-                    con.executemany(f"UPDATE shards SET {FOLD}, state = 1 WHERE id = :id",
-                                    ({**now, "id": r.id} for r in picks))
+                    retire(con, picks)
                 victims = unleased_retiring(con, goal)
                 if sum(v.nbytes for v in victims) < need:
                     return None
@@ -335,8 +333,7 @@ class Ledger:
         if not hit:
             return [], 0
         with self.db.write() as con:
-            con.executemany(f"UPDATE shards SET {FOLD}, state = 1 WHERE id = :id AND state = 0",
-                            ({**clock(con), "id": sid} for sid in hit))
+            retire(con, sorted(hit))
             removed = [r for r in unleased_retiring(con, need=None) if r.id in hit]
             delete_shards(con, [r.id for r in removed])
             # (the list keeps the retiring shards of earlier rewrites: any evicted since are dropped from it)
@@ -346,13 +343,13 @@ class Ledger:
         return removed, len(hit) - len(removed)
 
 
-def _choose(con: sqlite3.Connection, choose: Chooser, short: int) -> list[ShardRecord]:
-    """Live shards ``choose`` retires to free ``short`` bytes: by index walk if it has stages."""
+def _choose(con: sqlite3.Connection, choose: Chooser, short: int) -> list[str]:
+    """The ids of the live shards ``choose`` retires to free ``short`` bytes: by index walk if it has stages."""
     stages_of = getattr(choose, "stages", None)
     stages: list[Stage] | None = stages_of() if stages_of is not None else None
     if stages is None:  # an unindexed chooser sees every candidate
         rows = con.execute(f"SELECT {COLUMNS} FROM shards WHERE state = 0", clock(con)).fetchall()
-        return list(choose([record(r) for r in rows], short))
+        return [r.id for r in choose([record(r) for r in rows], short)]
     return choose_by_index(con, stages, short)
 
 

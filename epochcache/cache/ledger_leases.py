@@ -172,8 +172,9 @@ def end_ended_leases(con: sqlite3.Connection) -> int:
 def unleased_retiring(con: sqlite3.Connection, need: int | None) -> list[ShardRecord]:
     """The oldest retiring shards no live lease holds, the fewest that free ``need`` bytes (all of
     them if they free less, or ``need`` is None). One statement walks the retiring shards by index and skips the held
-    ones (each live lease's excluded rows read once), and only the records taken are decoded: the
-    daemon asks this at every poll while leases hold its evictions back, whatever the cache's size."""
+    ones (each live lease's excluded rows read once), and only the records taken are decoded (without
+    units: :func:`~epochcache.cache.ledger_uses.record`): the daemon asks this at every poll while
+    leases hold its evictions back, whatever the cache's size."""
     live = live_leases(con)
     held = " OR ".join(f"(n <= :upto{i} AND n NOT IN (SELECT shard FROM lease_excluded WHERE lease = :id{i}))"
                        for i in range(len(live)))
@@ -181,7 +182,7 @@ def unleased_retiring(con: sqlite3.Connection, need: int | None) -> list[ShardRe
     rows = con.execute(f"SELECT {COLUMNS} FROM shards INDEXED BY shards_age WHERE state = 1"
                        f"{f' AND NOT ({held})' if live else ''} ORDER BY created, id", {**clock(con), **params})
     try:
-        return take_until((record(r) for r in rows), need)
+        return take_until((record(r, with_units=False) for r in rows), need)
     finally:
         rows.close()
 

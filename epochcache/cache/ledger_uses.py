@@ -26,7 +26,7 @@ import heapq
 import json
 import random
 import sqlite3
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from epochcache.cache.layout import SHARD_SUFFIX
@@ -59,17 +59,27 @@ def advance(con: sqlite3.Connection, now: float) -> None:
     con.execute("UPDATE shards SET born = born + 1 WHERE state = 1")
 
 
+def retire(con: sqlite3.Connection, shard_ids: Sequence[str]) -> None:
+    """Make the live shards among ``shard_ids`` retiring, their counts folded in as of the latest
+    generation (snapshots leave retiring shards out). One statement: 100,000 shards in 0.33 s, where
+    a statement a shard took 1.77 s (an eviction batch stalled publishing that long)."""
+    con.execute(f"UPDATE shards SET {FOLD}, state = 1 WHERE state = 0 AND id IN (SELECT value FROM json_each(:ids))",
+                {**clock(con), "ids": json.dumps(list(shard_ids))})
+
+
 _new = object.__new__
 
 
-def record(row: Sequence[Any]) -> ShardRecord:
-    """A :class:`ShardRecord` from a row of :data:`COLUMNS`."""
+def record(row: Sequence[Any], with_units: bool = True) -> ShardRecord:
+    """A :class:`ShardRecord` from a row of :data:`COLUMNS`; without ``with_units``, its ``units`` left
+    empty: an eviction needs none of them (its victims are deleted by id and file), and decoding them
+    took 0.2 s of a batch of 100,000 victims."""
     _, sid, filename, nbytes, rows, created, checksum, units, uses, last_used, schema, verified = row
     # Filled in place rather than through the frozen dataclass's __init__ (one object.__setattr__ per
     # field): listings and eviction walks decode many records.
     out: ShardRecord = _new(ShardRecord)
     out.__dict__.update(id=sid, filename=filename, nbytes=nbytes, rows=rows, created=created, checksum=checksum,
-                        units=tuple(json.loads(units)), uses=uses, last_used=last_used,
+                        units=tuple(json.loads(units)) if with_units else (), uses=uses, last_used=last_used,
                         schema=schema, verified=bool(verified))
     return out
 
@@ -98,14 +108,12 @@ def walks(stage: Stage) -> list[str]:
     ]
 
 
-def _walk(con: sqlite3.Connection, stage: Stage, params: dict[str, Any]) -> Iterator[ShardRecord]:
+def _walk(con: sqlite3.Connection, stage: Stage, params: dict[str, Any]) -> Iterator[Sequence[Any]]:
+    """Rows of :data:`COLUMNS` (then their sort key) of ``stage``'s candidates, in its order."""
     args = {**params, "at_least": stage.at_least, "below": stage.below}
     if stage.order == "random":
-        rows: Iterable[Sequence[Any]] = _random(con, stage, args)
-    else:
-        rows = heapq.merge(*(con.execute(sql, args) for sql in walks(stage)), key=_sort_key)
-    for row in rows:
-        yield record(row[:_WIDTH])
+        return _random(con, stage, args)
+    return heapq.merge(*(con.execute(sql, args) for sql in walks(stage)), key=_sort_key)
 
 
 def _sort_key(row: Sequence[Any]) -> tuple[Any, ...]:
@@ -151,19 +159,21 @@ def _random(con: sqlite3.Connection, stage: Stage, args: dict[str, Any]) -> Iter
     yield from rest
 
 
-def choose_by_index(con: sqlite3.Connection, stages: Sequence[Stage], short: int) -> list[ShardRecord]:
-    """Live shards in the order of ``stages`` (each walked by its index; a shard picked by one stage
-    is not picked again) until their bytes reach ``short``: O(k log n) for k victims."""
+def choose_by_index(con: sqlite3.Connection, stages: Sequence[Stage], short: int) -> list[str]:
+    """The ids of live shards in the order of ``stages`` (each walked by its index; a shard picked by
+    one stage is not picked again) until their bytes reach ``short``: O(k log n) for k victims. No
+    record is decoded: a batch of 100,000 picks held 100,000 records (~110 MB) for their ids."""
     params = clock(con)
-    picked: list[ShardRecord] = []
+    picked: list[str] = []
     seen: set[str] = set()
     freed = 0
     for stage in stages:
-        for candidate in _walk(con, stage, params):
+        for row in _walk(con, stage, params):
             if freed >= short:
                 return picked
-            if candidate.id not in seen:
-                seen.add(candidate.id)
-                picked.append(candidate)
-                freed += candidate.nbytes
+            sid, nbytes = row[1], row[3]
+            if sid not in seen:
+                seen.add(sid)
+                picked.append(sid)
+                freed += nbytes
     return picked

@@ -124,7 +124,7 @@ def test_counts_stay_exact_through_trainers_retiring_quarantine_and_adoption(tmp
             for policy in POLICIES:
                 need = rng.randint(1, 6) * S
                 expected = [r.id for r in policy(live, need)]
-                assert [r.id for r in _choose(daemon.db.connection(), policy, need)] == expected, (step, policy)
+                assert _choose(daemon.db.connection(), policy, need) == expected, (step, policy)
     for led in (daemon, *trainers):
         led.close()
 
@@ -154,14 +154,14 @@ def test_random_eviction_walk_draws_every_candidate_and_only_candidates(ledger: 
     ledger.leases.release(ledger.leases.snapshot("t", ttl_s=60).id)  # s000..s059 used once
     ledger.adopt([record(i) for i in range(60, 120)])  # never used: min_uses keeps them
     policy = MinUses(Random(seed=3), 1)
-    picks = [r.id for r in _choose(ledger.db.connection(), policy, 10 * S)]
+    picks = _choose(ledger.db.connection(), policy, 10 * S)
     assert len(set(picks)) == 10 and all(int(sid[1:]) < 60 for sid in picks)
-    assert [r.id for r in _choose(ledger.db.connection(), policy, 10 * S)] == picks, "a seed repeats its draws"
-    firsts = Counter(_choose(ledger.db.connection(), MinUses(Random(seed=s), 1), S)[0].id for s in range(1200))
+    assert _choose(ledger.db.connection(), policy, 10 * S) == picks, "a seed repeats its draws"
+    firsts = Counter(_choose(ledger.db.connection(), MinUses(Random(seed=s), 1), S)[0] for s in range(1200))
     assert set(firsts) == {f"s{i:03d}" for i in range(60)}
     assert max(firsts.values()) < 60, "about 20 each of 60 candidates"
     ledger.drop([f"s{i:03d}" for i in range(3, 60)])  # 3 candidates among 63 rows spread over 120
-    assert sorted(r.id for r in _choose(ledger.db.connection(), policy, 100 * S)) == ["s000", "s001", "s002"]
+    assert sorted(_choose(ledger.db.connection(), policy, 100 * S)) == ["s000", "s001", "s002"]
 
 
 def test_records_kept_by_row_number_are_not_reused_from_a_rebuilt_database(tmp_path: Path) -> None:
