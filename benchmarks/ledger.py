@@ -12,7 +12,8 @@ process, which reuses the records it can), renew, release, status-like reads (us
 lease counts), daemon start (open + the reconcile join: filenames() against a listing), then
 publish+evict by the other policies (as the daemon builds them, min_uses 1; every shard used once
 by then; the mean of 50 calls), an epoch's first record, a batch eviction that a lease holding
-every shard turns into retiring shards, and the daemon's polls for room while it waits. Prints a
+every shard turns into retiring shards, the daemon's polls for room while it waits, and last (the
+ledger opened afresh) one batch evicting 90% of the cache with no lease held. Prints a
 table with the growth from the smallest to the largest size, and bytes per shard.
 
 Then, for each of ``--file-sizes``, a cache of that many tiny real shard files (see
@@ -126,7 +127,21 @@ def measure(n: int) -> dict[str, object]:
                 opened.close()
 
         out["start"] = timed(daemon_start, repeat=2)
+        out["evict 90%"] = timed(lambda: batch_eviction(folder), repeat=1)
         return out
+
+
+def batch_eviction(folder: Path) -> None:
+    """Open the ledger and make room down to 10% of a full budget, no lease held: one batch evicting
+    nine shards in ten (a daemon restarted on a full cache with a low ``cache.low_watermark``)."""
+    ledger = Ledger(folder)
+    try:
+        usage = ledger.usage()
+        budget = usage.total - usage.ledger_bytes + ledger.disk_bytes()
+        if not ledger.make_room(1000, budget=budget, choose=Fifo(), evict_to=int(budget * 0.1)):
+            raise RuntimeError("a full cache with no lease evicted nothing")
+    finally:
+        ledger.close()
 
 
 def backpressure(ledger: Ledger) -> dict[str, tuple[float, float]]:
@@ -149,7 +164,7 @@ def backpressure(ledger: Ledger) -> dict[str, tuple[float, float]]:
 
 
 OPS = ["publish", "publish+evict", "snapshot", "snapshot again", "renew", "release", "status", "start", "evict lru",
-       "evict most-used", "evict random", "first epoch record", "retire 10%", "poll while leased"]
+       "evict most-used", "evict random", "first epoch record", "retire 10%", "poll while leased", "evict 90%"]
 
 
 def main() -> None:
