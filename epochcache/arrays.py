@@ -92,11 +92,19 @@ def numpy_view(array: pa.Array) -> np.ndarray:
     nulls = array.slice(start - array.offset, count).null_count
     if nulls:
         raise ValueError(f"a fixed-size list column holds {nulls} null numbers: a tensor cannot")
-    dtype = np.dtype(array.type.to_pandas_dtype())
+    dtype = _numpy_dtype(array.type)
     if not count:
         return np.empty(shape if item_shape is None else [0, *item_shape], dtype)
     flat = np.frombuffer(array.buffers()[1], dtype, count, start * dtype.itemsize)
     return flat.reshape(shape if item_shape is None else [shape[0], *item_shape])
+
+
+def _numpy_dtype(kind: pa.DataType) -> np.dtype:
+    """The numpy dtype of an Arrow integer or floating-point type (``to_pandas_dtype()`` imports pandas
+    in pyarrow 25, and fails where pandas is missing)."""
+    if pa.types.is_floating(kind):
+        return np.dtype(f"float{kind.bit_width}")
+    return np.dtype(f"{'uint' if pa.types.is_unsigned_integer(kind) else 'int'}{kind.bit_width}")
 
 
 def unpacked(array: pa.BooleanArray) -> np.ndarray:
