@@ -20,10 +20,20 @@ import pyarrow as pa
 MAX_ARRAY_BYTES = 2**31 - 1
 
 
+# numpy dtype kinds whose values Arrow stores as numpy does, one fixed-width slot each: integers,
+# floats, datetimes and durations (bools are packed to bits: :func:`flags`).
+NUMBER_KINDS = "iufMm"
+
+
 def numbers(values: np.ndarray) -> pa.Array:
-    """1-D numbers as the Arrow array of their type, sharing their memory (copied once if they are
-    not contiguous)."""
-    values = np.ascontiguousarray(values)
+    """1-D numbers (or bools, by :func:`flags`) as the Arrow array of their type, sharing their
+    memory (copied once if they are not contiguous or not in native byte order); TypeError for
+    other dtypes (strings, objects), naming the dtype."""
+    if values.dtype == np.bool_:
+        return flags(values)
+    if values.dtype.kind not in NUMBER_KINDS:
+        raise TypeError(f"numbers() takes integers, floats, datetimes or bools, not {values.dtype}")
+    values = np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("="))
     return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
 
 
@@ -32,13 +42,14 @@ def flags(values: np.ndarray) -> pa.Array:
     return pa.Array.from_buffers(pa.bool_(), len(values), [None, pa.py_buffer(np.packbits(values, bitorder="little"))])
 
 
-def binaries(values: Sequence[bytes | None], kind: pa.DataType | None = None,
+def binaries(values: Sequence[bytes | memoryview | None], kind: pa.DataType | None = None,
              max_bytes: int = MAX_ARRAY_BYTES) -> pa.Array | pa.ChunkedArray:
     """Byte strings (None: null) as an Arrow ``kind`` array (binary by default; ``pa.string()`` for
     UTF-8 text already encoded): one copy of the bytes. Over ``max_bytes`` of them, a chunked array
     of arrays that each hold at most that, as ``pa.array`` gives; ValueError for one value over it."""
     kind = kind or pa.binary()
-    lengths = np.fromiter((0 if v is None else len(v) for v in values), np.int64, len(values))
+    lengths = np.fromiter((0 if v is None else len(v) if isinstance(v, bytes) else memoryview(v).nbytes
+                           for v in values), np.int64, len(values))
     ends = np.cumsum(lengths)
     chunks: list[pa.Array] = []
     start = 0
@@ -52,7 +63,7 @@ def binaries(values: Sequence[bytes | None], kind: pa.DataType | None = None,
     return chunks[0] if len(chunks) == 1 else pa.chunked_array(chunks, kind)
 
 
-def _binary_array(values: Sequence[bytes | None], ends: np.ndarray, kind: pa.DataType) -> pa.Array:
+def _binary_array(values: Sequence[bytes | memoryview | None], ends: np.ndarray, kind: pa.DataType) -> pa.Array:
     offsets = np.zeros(len(values) + 1, np.int32)
     offsets[1:] = ends
     valid = None
@@ -84,14 +95,17 @@ def numpy_view(array: pa.Array) -> np.ndarray:
         array = array.storage
     shape = [len(array)]
     start, count = array.offset, len(array)  # the rows, as slots of the array's buffers
-    while pa.types.is_fixed_size_list(array.type):
+    while True:
+        # (a null list inside a row, or a null number, has bytes under it all the same: never data)
+        nulls = array.slice(start - array.offset, count).null_count
+        if nulls:
+            raise ValueError(f"a fixed-width column holds {nulls} null items or numbers: a tensor cannot")
+        if not pa.types.is_fixed_size_list(array.type):
+            break
         size = array.type.list_size
         shape.append(size)
         array = array.values
         start, count = array.offset + start * size, count * size
-    nulls = array.slice(start - array.offset, count).null_count
-    if nulls:
-        raise ValueError(f"a fixed-size list column holds {nulls} null numbers: a tensor cannot")
     dtype = _numpy_dtype(array.type)
     if not count:
         return np.empty(shape if item_shape is None else [0, *item_shape], dtype)

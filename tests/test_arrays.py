@@ -52,8 +52,35 @@ def test_views_of_lists_over_sliced_values_and_refusal_of_null_numbers() -> None
     assert numpy_view(lists.slice(1, 3)).tolist() == flat[4:].reshape(9, 4)[1:4].tolist()
     holed = pa.FixedSizeListArray.from_arrays(pa.array([1, None, 3, 4, 5, 6], pa.int16()), 2)
     assert numpy_view(holed.slice(1)).tolist() == [[3, 4], [5, 6]]
-    with pytest.raises(ValueError, match="1 null numbers"):
+    with pytest.raises(ValueError, match="1 null items or numbers"):
         numpy_view(holed)
+
+
+def test_numbers_of_bools_and_of_either_byte_order_and_a_refusal_of_strings() -> None:
+    assert numbers(np.array([True, False, True])).equals(pa.array([True, False, True]))
+    big = np.arange(5, dtype=">i4")
+    assert numbers(big).equals(pa.array(np.arange(5, dtype=np.int32)))
+    day = np.array(["2026-11-26"], "datetime64[s]")
+    assert numbers(day).equals(pa.array(day))
+    with pytest.raises(TypeError, match="<U3"):
+        numbers(np.array(["abc"]))
+
+
+def test_a_null_item_inside_a_row_is_refused_not_read_as_numbers() -> None:
+    inner = pa.FixedSizeListArray.from_arrays(numbers(np.arange(8, dtype=np.float32)), 2,
+                                              mask=pa.array([False, True, False, False]))
+    column = pa.FixedSizeListArray.from_arrays(inner, 2)  # row 0's second item is null; no row is
+    assert column.null_count == 0
+    with pytest.raises(ValueError, match="1 null items"):
+        numpy_view(column)
+    assert numpy_view(column.slice(1)).tolist() == [[[4, 5], [6, 7]]]
+
+
+def test_a_tensor_column_over_sliced_values_is_viewed_at_its_rows() -> None:
+    flat = np.arange(60, dtype=np.uint8)
+    storage = pa.FixedSizeListArray.from_arrays(numbers(flat).slice(6), 6)  # 9 items of 2x3
+    tensors = pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(pa.uint8(), [2, 3]), storage)
+    assert numpy_view(tensors.slice(2, 3)).tolist() == flat[6:].reshape(9, 2, 3)[2:5].tolist()
 
 
 def test_flags_and_unpacked_bools_match_pyarrows() -> None:
@@ -69,6 +96,8 @@ def test_binaries_and_texts_match_pyarrows_with_nulls_and_empty_values() -> None
     assert built.equals(pa.array([b"ab", None, b"", b"xyz", b"mv"], pa.binary()))
     assert texts(["é", "", "abc"]).equals(pa.array(["é", "", "abc"], pa.string()))
     assert binaries([]).equals(pa.array([], pa.binary()))
+    wide = memoryview(np.arange(3, dtype=np.int32))  # (items of 4 bytes: its bytes count, not its items)
+    assert binaries([wide]).to_pylist() == [np.arange(3, dtype=np.int32).tobytes()]
     keys = pc.binary_join_element_wise(text("a/b:"), pc.cast(numbers(np.arange(3)), pa.string()), text(""))
     assert keys.to_pylist() == ["a/b:0", "a/b:1", "a/b:2"]
 

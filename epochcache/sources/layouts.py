@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from epochcache.arrays import numbers
+from epochcache.arrays import NUMBER_KINDS, numbers
 from epochcache.cache.columns import DTYPE_KEY, SHAPE_KEY
 
 
@@ -48,7 +48,8 @@ def tensor_table(columns: dict[str, np.ndarray]) -> pa.Table:
             arrays.append(tensor_column(values))
         else:
             fields.append(pa.field(name, pa.from_numpy_dtype(values.dtype), nullable=False))
-            arrays.append(numbers(values))
+            # (numbers from their buffers; strings and the like by pyarrow: this runs where a remote is written)
+            arrays.append(numbers(values) if values.dtype.kind in NUMBER_KINDS + "b" else pa.array(values))
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 

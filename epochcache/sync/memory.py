@@ -14,6 +14,7 @@ changes, never what is read or written.
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +37,9 @@ def frozen_heap() -> Iterator[None]:
 # full collection), so that count is never 0 there and a heap frozen for workers was never unfrozen.
 _depth = 0
 _depth_lock = threading.Lock()
+# Whether the program had frozen objects of its own when the first block began (told apart from
+# immortal ones only before Python 3.12): they stay frozen when the last block ends.
+_theirs = False
 
 
 @contextmanager
@@ -43,10 +47,12 @@ def frozen_objects() -> Iterator[None]:
     """Leave the objects alive now out of garbage collection until the block ends; then they are
     collected as before (cyclic garbage among them waits until then), unless another block is still
     open (a loader's workers still running, a daemon's run): those objects stay frozen, and so do
-    these, until the last block ends. (An earlier ``gc.freeze()`` of the program's own is undone then
-    too: nothing tells it apart from the immortal objects Python 3.12 keeps frozen.)"""
-    global _depth
+    these, until the last block ends. A program's own earlier ``gc.freeze()`` is kept before Python
+    3.12; from 3.12 on it is undone then too, as nothing tells it apart from the immortal objects."""
+    global _depth, _theirs
     with _depth_lock:
+        if not _depth:
+            _theirs = sys.version_info < (3, 12) and gc.get_freeze_count() > 0
         _depth += 1
         gc.freeze()
     try:
@@ -54,5 +60,5 @@ def frozen_objects() -> Iterator[None]:
     finally:
         with _depth_lock:
             _depth -= 1
-            if not _depth:
+            if not _depth and not _theirs:
                 gc.unfreeze()

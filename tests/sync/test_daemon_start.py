@@ -6,6 +6,7 @@ it started with away from the cyclic collector for its duration."""
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -157,6 +158,19 @@ def test_a_run_while_a_loaders_workers_run_leaves_their_heap_frozen(config: Conf
         assert garbage() is not None
     gc.collect()
     assert garbage() is None
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="from 3.12 on it looks like the immortal objects")
+@pytest.mark.usefixtures("collector_off")
+def test_a_heap_the_program_froze_itself_before_the_run_stays_frozen(config: Config) -> None:
+    garbage = dropped_cycle()
+    gc.freeze()  # (the program's own, as the gc module's docs advise before forking)
+    try:
+        SyncDaemon(config, progress=False).run(once=True)
+        gc.collect()
+        assert garbage() is not None
+    finally:
+        gc.unfreeze()
 
 
 @pytest.mark.usefixtures("collector_off")

@@ -56,3 +56,13 @@ def test_fixed_size_binary_with_a_shape_is_trained_on_as_shaped_tensors(
             np.testing.assert_array_equal(images.numpy(), _images(ids.numpy()))
             seen.extend(ids.tolist())
     assert sorted(seen) == list(range(FILES * ROWS_PER_FILE))
+
+
+def test_one_dimensional_columns_of_any_dtype_keep_their_values() -> None:
+    flags = np.array([True, False, True, True])
+    names = np.array(["a", "bb", "", "ccc"])
+    ids = np.arange(4, dtype=">i8")  # (big-endian: converted, not reinterpreted)
+    table = tensor_table({"flag": flags, "name": names, "id": ids})
+    assert table.column("flag").to_pylist() == flags.tolist()
+    assert table.column("name").to_pylist() == names.tolist()
+    assert table.column("id").to_pylist() == [0, 1, 2, 3]
