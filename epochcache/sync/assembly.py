@@ -2,16 +2,17 @@
 
 In: each unit's table. Out: :class:`Building` (tables, unit keys, bytes, the cursor just past the
 last unit) for the writer. :func:`screen` keeps out rows no batch can hold: a null in a fixed-width
-column (it becomes a tensor, which has no null) drops the row, counted.
+column, at any depth (it becomes a tensor, which has no null), drops the row, counted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from epochcache.arrays import flags, unpacked
 from epochcache.cache.columns import is_fixed_width
 from epochcache.sources import Unit
 from epochcache.sources.pool import ROWS_POOL
@@ -45,13 +46,31 @@ class Building:
 
 
 def screen(table: pa.Table) -> tuple[pa.Table, int]:
-    """``table`` without its rows that hold a null in a fixed-width column, and how many were dropped."""
-    fixed = [name for name, column in zip(table.column_names, table.columns)
-             if is_fixed_width(column.type) and column.null_count]
-    if not fixed:
+    """``table`` without its rows that hold a null in a fixed-width column, at any depth (a null item
+    of a fixed-size list row too: its slot has bytes all the same), and how many were dropped."""
+    masks = []
+    for column in table.columns:
+        if not is_fixed_width(column.type):
+            continue
+        parts = [_whole_rows(chunk) for chunk in column.chunks]
+        if any(part is not None for part in parts):
+            masks.append(np.concatenate([np.ones(len(chunk), bool) if part is None else part
+                                         for chunk, part in zip(column.chunks, parts)]))
+    if not masks:
         return table, 0
-    keep = pc.is_valid(table.column(fixed[0]))
-    for name in fixed[1:]:
-        keep = pc.and_(keep, pc.is_valid(table.column(name)))
-    kept = table.filter(keep)
+    kept = table.filter(flags(np.logical_and.reduce(masks)))
     return kept, table.num_rows - kept.num_rows
+
+
+def _whole_rows(array: pa.Array) -> np.ndarray | None:
+    """Which rows of the fixed-width ``array`` hold no null at any depth; None when all of them."""
+    if isinstance(array, pa.ExtensionArray):
+        array = array.storage
+    whole = unpacked(array.is_valid()) if array.null_count else None
+    if pa.types.is_fixed_size_list(array.type) and len(array):
+        size = array.type.list_size
+        inner = _whole_rows(array.values.slice(array.offset * size, len(array) * size))
+        if inner is not None:
+            rows = np.all(inner.reshape(len(array), size), axis=1)
+            whole = rows if whole is None else whole & rows
+    return whole

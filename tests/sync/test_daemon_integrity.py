@@ -22,7 +22,7 @@ import pytest
 import yaml
 from conftest import DaemonThread, FullDisk, cached_ids, wait_for, write_parquet_dataset
 
-from epochcache import Ledger, SyncDaemon
+from epochcache import EpochCachedLoader, Ledger, SyncDaemon
 from epochcache.cache.layout import CacheLayout
 from epochcache.config import Config
 from epochcache.errors import CorruptObjectError, DatasetMismatchError, SourceError
@@ -198,6 +198,27 @@ def test_zero_row_units_are_skipped_and_null_rows_dropped(
     assert {key for key in ledger.daemon.skipped()} == {f"{remote}/part-001.parquet#0", f"{remote}/part-001.parquet#1"}
     assert ledger.counters.all()["rows_dropped"] == 2
     ledger.close()
+
+
+def test_rows_with_a_null_item_inside_a_fixed_size_list_are_dropped_not_trained_on(
+    tmp_path: Path, make_config: Callable[..., Config]
+) -> None:
+    remote = tmp_path / "nested"
+    remote.mkdir()
+    inner = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(16, dtype=np.float32)), 2,
+                                              mask=pa.array([False, True] + [False] * 6))  # row 0's second item
+    vectors = pa.FixedSizeListArray.from_arrays(inner, 2)  # 4 rows of 2x2, none null itself
+    numbers = pa.array([0.0, 1.0, None, 3.0, 4.0, 5.0, 6.0, 7.0], pa.float32())  # row 1 holds a null number
+    tensors = pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(pa.float32(), [2]),
+                                             pa.FixedSizeListArray.from_arrays(numbers, 2))
+    pq.write_table(pa.table({"v": vectors, "t": tensors, "id": pa.array([0, 1, 2, 3])}), remote / "part-0.parquet")
+    config = make_config(str(remote), **ROOMY)
+    report = SyncDaemon(config, progress=False).run(once=True)
+    assert report.rows_dropped == 2
+    assert sorted(cached_ids(config.cache.dir)) == [2, 3]
+    with EpochCachedLoader(config.cache.dir, batch_size=4, progress=False) as loader:
+        (batch,) = list(loader)
+    assert sorted(batch["id"].tolist()) == [2, 3] and batch["v"].shape == (2, 2, 2)
 
 
 def test_a_damaged_parquet_footer_among_nine_is_skipped_by_sync_once(
