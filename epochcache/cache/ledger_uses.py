@@ -172,7 +172,7 @@ def choose_by_index(con: sqlite3.Connection, stages: Sequence[Stage], short: int
         for row in _walk(con, stage, params):
             if freed >= short:
                 return picked
-            sid, nbytes = row[1], row[3]
+            sid, nbytes = row[1], row[3]  # (COLUMNS: n, id, file, bytes, ...)
             if sid not in seen:
                 seen.add(sid)
                 picked.append(sid)
