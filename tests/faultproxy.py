@@ -23,7 +23,8 @@ name versions apart.
 Quirky stores: ``range_quirk="ignore"`` drops ``Range`` from object GETs (the store answers 200 with
 the whole object); ``range_quirk="shift"`` asks the store for the range one byte off the one requested
 (a 206 of the right length whose ``Content-Range`` is not the one asked); ``deny`` holds object paths
-(``/<bucket>/<key>``, as sent) whose GETs answer ``deny_status`` (403) with the S3 error code ``deny_code``;
+(``/<bucket>/<key>``, as sent) whose GETs answer ``deny_status`` (403) with the S3 error code ``deny_code``
+(with ``redirect``, and a 3xx status, a ``Location`` naming the object at the upstream store itself);
 ``listing_etag`` rewrites each ``<ETag>`` value of a listing (its bytes, quotes included, as the XML
 holds them), as stores whose listings spell ETags otherwise than their GET replies do;
 ``listing_body`` rewrites the whole body (XML) of each listing reply, as stores that leave out the
@@ -75,7 +76,7 @@ class FaultProxy:
                  listing_ignores: Sequence[str] = (),
                  reply_checksums: Callable[[bytes], dict[str, str]] | None = None,
                  tls: ssl.SSLContext | None = None, silent_close_s: float | None = None,
-                 etags_apart: bool = False) -> None:
+                 etags_apart: bool = False, redirect: bool = False) -> None:
         parsed = urlparse(upstream)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rate, self.kinds, self.delay_s, self.flip_rate = rate, tuple(kinds), delay_s, flip_rate
@@ -84,7 +85,8 @@ class FaultProxy:
         self.drip_s, self.refuse_checksum_mode, self.reply_etag = drip_s, refuse_checksum_mode, reply_etag
         self.listing_body, self.listing_ignores = listing_body, tuple(name.encode() for name in listing_ignores)
         self.reply_checksums, self._tls, self.silent_close_s = reply_checksums, tls, silent_close_s
-        self.etags_apart = etags_apart
+        self.etags_apart, self.redirect = etags_apart, redirect
+        self._deny_status, self._deny_code = deny_status, deny_code.encode()
         self.object_get_heads: list[bytes] = []
         self.object_get_replies: list[bytes] = []
         self.listings = 0  # listing requests (a GET with a query string)
@@ -177,7 +179,10 @@ class FaultProxy:
             return
         if is_object_get and target in self.deny:
             self.faults["deny"] += 1
-            writer.write(self._denied)
+            upstream = b"http://%s:%d" % (self._upstream[0].encode(), self._upstream[1])
+            writer.write(self._denied if not self.redirect else _reply(
+                self._deny_status, _ERROR % (self._deny_code, b"Please re-send this request to the specified "
+                                             b"temporary endpoint."), upstream + target))
             await writer.drain()
             return
         if is_object_get and self.range_quirk:
@@ -326,7 +331,9 @@ def _without_close(head: bytes) -> bytes:
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
-def _reply(status: int, body: bytes) -> bytes:
-    """A whole S3 error reply: ``status`` and its XML ``body``, on a connection closed after it."""
-    return (b"HTTP/1.1 %d Error\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n"
-            b"Connection: close\r\n\r\n" % (status, len(body))) + body
+def _reply(status: int, body: bytes, location: bytes | None = None) -> bytes:
+    """A whole S3 error reply: ``status`` and its XML ``body`` (and a ``Location`` header), on a
+    connection closed after it."""
+    moved = b"" if location is None else b"Location: %s\r\n" % location
+    return (b"HTTP/1.1 %d Error\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n%s"
+            b"Connection: close\r\n\r\n" % (status, len(body), moved)) + body

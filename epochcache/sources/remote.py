@@ -147,10 +147,11 @@ def _response(exc: BaseException) -> dict[str, Any]:
 
 
 def refused(exc: OSError) -> bool:
-    """Whether ``exc`` is a store's refusal no retry cures: a 4xx (or a 501) that is not throttling.
+    """Whether ``exc`` is a store's refusal no retry cures: a 4xx (or a 501) that is not throttling,
+    or a redirect (3xx: the S3 client follows none, :func:`~epochcache.sources.retry.single_attempt_options`).
     (A 403, 404, 412 or 416 is told apart by the caller first where it means more.)"""
     status = _status(exc)
-    return status is not None and (400 <= status < 500 or status == HTTPStatus.NOT_IMPLEMENTED) \
+    return status is not None and (300 <= status < 500 or status == HTTPStatus.NOT_IMPLEMENTED) \
         and not is_transient(exc)
 
 
@@ -336,8 +337,16 @@ class RemoteFiles:
                                f"read): {describe(exc)}: check the credentials and the bucket policy "
                                "(s3:GetObject), and the endpoint, region and signature settings "
                                "(source.storage_options)")
-        fix = ("grant s3:GetObject on it (its ACL, the bucket policy, its KMS key) to have it read"
-               if isinstance(exc, PermissionError) else f"the store refuses to serve it (HTTP {_status(exc)})")
+        status = _status(exc)
+        if isinstance(exc, PermissionError):
+            fix = "grant s3:GetObject on it (its ACL, the bucket policy, its KMS key) to have it read"
+        elif status is not None and 300 <= status < 400:
+            where = _response(exc).get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("location")
+            fix = (f"the store redirects it (HTTP {status}{f' to {where}' if where else ''}), and epochcache follows "
+                   "no redirect (the request is signed for the endpoint configured): set source.storage_options' "
+                   "client_kwargs.endpoint_url to the endpoint that serves it")
+        else:
+            fix = f"the store refuses to serve it (HTTP {status})"
         return ObjectDeniedError(f"cannot read {url}: {describe(exc)}: this object is skipped; {fix}")
 
     def _silence(self) -> float | None:

@@ -21,6 +21,8 @@ every request that follows another (a footer's confirming read, at each attempt)
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import logging
 import threading
 from collections.abc import Callable
@@ -171,7 +173,45 @@ def single_attempt_options(url: str, storage_options: dict[str, Any], timeout_s:
         config.setdefault("response_checksum_validation", "when_required")
     config.setdefault("connect_timeout", timeout_s)
     config.setdefault("read_timeout", timeout_s)
+    session_cls = _unredirected_session_cls()
+    if session_cls is not None:
+        config.setdefault("http_session_cls", session_cls)
     return {**storage_options, "config_kwargs": config}
+
+
+@functools.cache  # (one class: the options of two sources of one store compare equal, and share a client)
+def _unredirected_session_cls() -> type | None:
+    """aiobotocore's aiohttp session, its requests following no redirect, as botocore's own transport
+    (urllib3, ``redirect=False``) follows none: aiohttp followed a store's 3xx to its ``Location``
+    with the request signed for the first endpoint, and the refusal that came back (403) read as a
+    permission error. botocore then sees the 3xx itself (:func:`~epochcache.sources.remote.redirected`).
+    None where aiobotocore lacks the hooks (a session class in its config): redirects are then
+    followed, as before."""
+    try:
+        from aiobotocore.config import AioConfig
+        from aiobotocore.httpsession import AIOHTTPSession
+    except ImportError:  # no S3 stack installed
+        return None
+    if not hasattr(AIOHTTPSession, "_get_session") or \
+            "http_session_cls" not in inspect.signature(AioConfig.__init__).parameters:
+        return None
+
+    class UnredirectedSession(AIOHTTPSession):  # type: ignore[misc, valid-type]
+        async def _get_session(self, proxy_url: Any) -> Any:
+            return _Unredirected(await super()._get_session(proxy_url))
+
+    return UnredirectedSession
+
+
+class _Unredirected:
+    """An aiohttp ``ClientSession`` seen through the one method aiobotocore calls, ``request``, with
+    redirects off."""
+
+    def __init__(self, session: Any) -> None:
+        self._session = session
+
+    def request(self, *args: Any, **kwargs: Any) -> Any:
+        return self._session.request(*args, allow_redirects=False, **kwargs)
 
 
 def _botocore_has(option: str) -> bool:

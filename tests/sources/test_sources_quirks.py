@@ -285,6 +285,25 @@ def test_an_object_the_store_will_not_serve_is_object_denied_not_a_crash(
     assert b"x-amz-checksum-mode: enabled" in proxy.object_get_heads[-1].lower(), "a's checksum is still asked for"
 
 
+@pytest.mark.parametrize(("status", "code"), [(307, "TemporaryRedirect"), (301, "PermanentRedirect")])
+def test_a_redirected_object_is_object_denied_naming_the_redirect_not_followed_as_forbidden(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], status: int, code: str
+) -> None:
+    """A store that redirects a GET elsewhere (Location: the object at the store behind the proxy).
+    aiohttp followed it with the request signed for the proxy, and the store's refusal read as a
+    permission error; now no redirect is followed and the skip says what happened and where to."""
+    proxy = quirky(deny=[f"/{bucket}/moved/cls/b.bin"], deny_status=status, deny_code=code, redirect=True)
+    for name in ("a", "b"):
+        s3.pipe(f"{bucket}/moved/cls/{name}.bin", name.encode() * 100)
+    source = ObjectSource(f"s3://{bucket}/moved", storage_options=_options(f"s3://{bucket}/moved", proxy))
+    a, b = source.list_objects()
+    assert source.read(source.units(a)[0])["data"].to_pylist() == [b"a" * 100]
+    redirected = rf"b.bin: .*skipped; the store redirects it \(HTTP {status} to http://127.0.0.1:\d+/{bucket}/moved/cls/b.bin\)"
+    with pytest.raises(ObjectDeniedError, match=redirected):
+        source.read(source.units(b)[0])
+    assert source.read(source.units(a)[0])["data"].to_pylist() == [b"a" * 100], "and the source reads on"
+
+
 def test_a_listing_the_store_refuses_is_a_configuration_error_naming_what_to_check(
     s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
 ) -> None:
