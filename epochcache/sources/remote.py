@@ -325,28 +325,30 @@ class RemoteFiles:
             raise
 
     def _denial(self, obj: RemoteObject, exc: OSError) -> SourceError | ObjectDeniedError:
-        """What a refusal of ``obj`` means (a 403, or another 4xx or a 501 no retry cures): refused
-        credentials, or refusals before any read succeeded of :data:`_DENIED_IS_FATAL` objects, are
-        configuration (:class:`SourceError`); else this one object is refused
+        """What a refusal of ``obj`` means (a 403, a redirect, or another 4xx or a 501 no retry cures):
+        refused credentials, or refusals before any read succeeded of :data:`_DENIED_IS_FATAL` objects,
+        are configuration (:class:`SourceError`); else this one object is refused
         (:class:`ObjectDeniedError`: skipped and reported, the others read on)."""
         url = self._url(obj.path)
         self._denied.add(obj.path)
         code = _response(exc).get("Error", {}).get("Code")
-        if code in _BAD_CREDENTIALS or (not self._read_any and len(self._denied) >= _DENIED_IS_FATAL):
-            return SourceError(f"cannot read {url} ({len(self._denied)} object(s) of {self.url} refused, none "
-                               f"read): {describe(exc)}: check the credentials and the bucket policy "
-                               "(s3:GetObject), and the endpoint, region and signature settings "
-                               "(source.storage_options)")
         status = _status(exc)
+        redirect = None
+        if status is not None and 300 <= status < 400:
+            where = _response(exc).get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("location")
+            redirect = (f"the store redirects it (HTTP {status}"
+                        f"{f' to {where}' if where else ''}), and epochcache follows no redirect (the request is "
+                        "signed for the endpoint configured): set source.storage_options' client_kwargs.endpoint_url "
+                        "to the endpoint that serves it")
+        if code in _BAD_CREDENTIALS or (not self._read_any and len(self._denied) >= _DENIED_IS_FATAL):
+            check = redirect or ("check the credentials and the bucket policy (s3:GetObject), and the endpoint, "
+                                 "region and signature settings (source.storage_options)")
+            return SourceError(f"cannot read {url} ({len(self._denied)} object(s) of {self.url} refused, none "
+                               f"read): {describe(exc)}: {check}")
         if isinstance(exc, PermissionError):
             fix = "grant s3:GetObject on it (its ACL, the bucket policy, its KMS key) to have it read"
-        elif status is not None and 300 <= status < 400:
-            where = _response(exc).get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("location")
-            fix = (f"the store redirects it (HTTP {status}{f' to {where}' if where else ''}), and epochcache follows "
-                   "no redirect (the request is signed for the endpoint configured): set source.storage_options' "
-                   "client_kwargs.endpoint_url to the endpoint that serves it")
         else:
-            fix = f"the store refuses to serve it (HTTP {status})"
+            fix = redirect or f"the store refuses to serve it (HTTP {status})"
         return ObjectDeniedError(f"cannot read {url}: {describe(exc)}: this object is skipped; {fix}")
 
     def _silence(self) -> float | None:

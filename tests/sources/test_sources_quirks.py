@@ -304,6 +304,23 @@ def test_a_redirected_object_is_object_denied_naming_the_redirect_not_followed_a
     assert source.read(source.units(a)[0])["data"].to_pylist() == [b"a" * 100], "and the source reads on"
 
 
+def test_a_store_redirecting_every_object_is_a_configuration_error_naming_the_redirect(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
+) -> None:
+    names = [f"{bucket}/away/cls/{i}.bin" for i in range(3)]
+    proxy = quirky(deny=[f"/{name}" for name in names], deny_status=307, deny_code="TemporaryRedirect", redirect=True)
+    for name in names:
+        s3.pipe(name, b"x" * 10)
+    source = ObjectSource(f"s3://{bucket}/away", storage_options=_options(f"s3://{bucket}/away", proxy))
+    objects = source.list_objects()
+    for obj in objects[:2]:
+        with pytest.raises(ObjectDeniedError):
+            source.read(source.units(obj)[0])
+    with pytest.raises(SourceError, match=r"3 object\(s\) .* refused, none read.*redirects it \(HTTP 307 to "
+                                          r"http://127.0.0.1:\d+/.*/away/cls/2.bin\).*client_kwargs.endpoint_url"):
+        source.read(source.units(objects[2])[0])
+
+
 def test_a_listing_the_store_refuses_is_a_configuration_error_naming_what_to_check(
     s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
 ) -> None:
