@@ -32,7 +32,8 @@ Pinning (invariant: bytes of one read all come from the version the listing saw)
   also checks the body's MD5 against a plain (single-part, not SSE-KMS/SSE-C) ETag; botocore checks
   an ``x-amz-checksum-*`` the store sends for a whole object (CRC64NVME, S3's default for new
   objects, and CRC32C only with awscrt installed: the ``crt`` extra; without it, a whole object
-  whose only checks those were is read unchecked, and the source says so once).
+  whose only checks those were is read unchecked, and the source says so once; so is one whose only
+  checksum is a multipart upload's composite one, ``<base64>-<parts>``, which botocore never checks).
 - Local files: the etag is ``<mtime>-<size>``; it is compared with a fresh ``stat`` before and after
   each read.
 - Other filesystems: the etag is recorded when their listing has one, but reads are not pinned;
@@ -388,8 +389,7 @@ class RemoteFiles:
             checked = False
         if whole and not checked and not self._said_unchecked and (name := _unchecked_checksum(reply)):
             self._said_unchecked = True
-            log.warning("%s: its only checksum is %s, which botocore checks only with awscrt installed (pip "
-                        "install 'epochcache[crt]'): whole objects under %s like it are read unchecked",
+            log.warning("%s: its only checksum is %s: whole objects under %s like it are read unchecked",
                         self._url(obj.path), name, self.url)
         return data
 
@@ -599,14 +599,21 @@ class _Served(NamedTuple):
 
 
 def _unchecked_checksum(reply: dict[str, Any]) -> str | None:
-    """The checksum a GetObject reply carries that botocore could not check (one only awscrt
-    computes, awscrt absent), if it carries no checksum botocore checked; else None."""
+    """The checksum a GetObject reply carries and why botocore could not check it, if it carries no
+    checksum botocore checked; else None. botocore checks none of a multipart upload's composite
+    checksums (``<base64>-<parts>``: of its parts' checksums), and CRC64NVME and CRC32C only with
+    awscrt installed."""
     from botocore.compat import HAS_CRT  # (botocore is loaded by then: the reply came through it)
 
-    sent = [name for name in _STORE_CHECKSUMS if reply.get(f"Checksum{name}")]
-    if HAS_CRT or not sent or any(name not in _CRT_ONLY_CHECKSUMS for name in sent):
+    sent = {name: str(reply[f"Checksum{name}"]) for name in _STORE_CHECKSUMS if reply.get(f"Checksum{name}")}
+    checked = [name for name, value in sent.items()
+               if "-" not in value and (HAS_CRT or name not in _CRT_ONLY_CHECKSUMS)]
+    if not sent or checked:
         return None
-    return sent[0]
+    name, value = next(iter(sent.items()))
+    if "-" in value:
+        return f"{name} of its parts (a multipart upload's composite checksum), which botocore does not check"
+    return f"{name}, which botocore checks only with awscrt installed (pip install 'epochcache[crt]')"
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
