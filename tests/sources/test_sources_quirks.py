@@ -146,13 +146,19 @@ def test_one_refused_object_is_object_denied_and_the_others_read(
     assert source.read(source.units(c)[0])["data"].to_pylist() == [b"c" * 100]
 
 
+@pytest.mark.parametrize(("options", "said"), [
+    ({}, r"s3:GetObject"),
+    ({"deny_status": 307, "deny_code": "TemporaryRedirect", "redirect": True},
+     r"redirects it \(HTTP 307 to http://127.0.0.1:\d+/.*/nope/cls/2.bin\).*client_kwargs.endpoint_url"),
+], ids=["forbidden", "redirected"])
 def test_objects_refused_before_any_read_are_a_configuration_error(
-    s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], options: dict[str, Any], said: str
 ) -> None:
-    """A policy that lets the bucket be listed but no object read: a few refusals with no read between
-    them stop the source with a SourceError naming the URL and the fix, not a pass of skips."""
+    """A policy that lets the bucket be listed but no object read, or a store that redirects every
+    read: a few refusals with no read between them stop the source with a SourceError naming the
+    URL and the fix, not a pass of skips."""
     names = [f"{bucket}/nope/cls/{i}.bin" for i in range(4)]
-    proxy = quirky(deny=[f"/{name}" for name in names])
+    proxy = quirky(deny=[f"/{name}" for name in names], **options)
     for name in names:
         s3.pipe(name, b"x" * 10)
     source = ObjectSource(f"s3://{bucket}/nope", storage_options=_options(f"s3://{bucket}/nope", proxy))
@@ -160,7 +166,7 @@ def test_objects_refused_before_any_read_are_a_configuration_error(
     for obj in objects[:2]:
         with pytest.raises(ObjectDeniedError):
             source.read(source.units(obj)[0])
-    with pytest.raises(SourceError, match=r"3 object\(s\) of s3://.*/nope refused, none read.*s3:GetObject") as info:
+    with pytest.raises(SourceError, match=rf"3 object\(s\) of s3://.*/nope refused, none read.*{said}") as info:
         source.read(source.units(objects[2])[0])
     assert not isinstance(info.value, ObjectDeniedError)
 
@@ -264,61 +270,34 @@ def test_throttling_and_gateway_errors_by_any_name_are_transient(
     assert remote.fetch(obj, 0, 100) == DATA[:100]
 
 
-@pytest.mark.parametrize(("status", "code"), [(400, "InvalidRequest"), (501, "NotImplemented")])
+_REDIRECTED = r"redirects it \(HTTP {status} to http://127.0.0.1:\d+/.*/refuse/cls/b.bin\)"
+
+
+@pytest.mark.parametrize(("status", "code", "fix"), [
+    (400, "InvalidRequest", r"refuses to serve it \(HTTP 400\)"),
+    (501, "NotImplemented", r"refuses to serve it \(HTTP 501\)"),
+    (307, "TemporaryRedirect", _REDIRECTED.format(status=307)),
+    (301, "PermanentRedirect", _REDIRECTED.format(status=301)),
+], ids=["400", "501", "307", "301"])
 def test_an_object_the_store_will_not_serve_is_object_denied_not_a_crash(
-    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], status: int, code: str
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], status: int, code: str, fix: str
 ) -> None:
-    """An SSE-C object read without its key (400), a feature the store lacks (501): no retry cures
-    it, so that object is skipped and reported, and the others read."""
-    proxy = quirky(deny=[f"/{bucket}/refuse/cls/b.bin"], deny_status=status, deny_code=code)
+    """An SSE-C object read without its key (400), a feature the store lacks (501), a GET redirected
+    elsewhere (Location: the object at the store behind the proxy; aiohttp followed it signed for the
+    proxy, and the store's refusal read as a permission error): no retry cures it, so that object is
+    skipped and reported, saying why, and the others read."""
+    proxy = quirky(deny=[f"/{bucket}/refuse/cls/b.bin"], deny_status=status, deny_code=code, redirect=status < 400)
     for name in ("a", "b"):
         s3.pipe(f"{bucket}/refuse/cls/{name}.bin", name.encode() * 100)
     source = ObjectSource(f"s3://{bucket}/refuse", storage_options=_options(f"s3://{bucket}/refuse", proxy))
     a, b = source.list_objects()
     assert source.read(source.units(a)[0])["data"].to_pylist() == [b"a" * 100]
-    refused = rf"b.bin: .*skipped; the store refuses to serve it \(HTTP {status}\)"
-    with pytest.raises(ObjectDeniedError, match=refused) as caught:
+    with pytest.raises(ObjectDeniedError, match=rf"b.bin: .*skipped; the store {fix}") as caught:
         source.read(source.units(b)[0])
     assert not is_transient(caught.value)
     assert source.read(source.units(a)[0])["data"].to_pylist() == [b"a" * 100], "and the source reads on"
     assert proxy.faults["deny"] == 2, "b asked with checksums, then without: refused both times"
     assert b"x-amz-checksum-mode: enabled" in proxy.object_get_heads[-1].lower(), "a's checksum is still asked for"
-
-
-@pytest.mark.parametrize(("status", "code"), [(307, "TemporaryRedirect"), (301, "PermanentRedirect")])
-def test_a_redirected_object_is_object_denied_naming_the_redirect_not_followed_as_forbidden(
-    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], status: int, code: str
-) -> None:
-    """A store that redirects a GET elsewhere (Location: the object at the store behind the proxy).
-    aiohttp followed it with the request signed for the proxy, and the store's refusal read as a
-    permission error; now no redirect is followed and the skip says what happened and where to."""
-    proxy = quirky(deny=[f"/{bucket}/moved/cls/b.bin"], deny_status=status, deny_code=code, redirect=True)
-    for name in ("a", "b"):
-        s3.pipe(f"{bucket}/moved/cls/{name}.bin", name.encode() * 100)
-    source = ObjectSource(f"s3://{bucket}/moved", storage_options=_options(f"s3://{bucket}/moved", proxy))
-    a, b = source.list_objects()
-    assert source.read(source.units(a)[0])["data"].to_pylist() == [b"a" * 100]
-    redirected = rf"b.bin: .*skipped; the store redirects it \(HTTP {status} to http://127.0.0.1:\d+/{bucket}/moved/cls/b.bin\)"
-    with pytest.raises(ObjectDeniedError, match=redirected):
-        source.read(source.units(b)[0])
-    assert source.read(source.units(a)[0])["data"].to_pylist() == [b"a" * 100], "and the source reads on"
-
-
-def test_a_store_redirecting_every_object_is_a_configuration_error_naming_the_redirect(
-    s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
-) -> None:
-    names = [f"{bucket}/away/cls/{i}.bin" for i in range(3)]
-    proxy = quirky(deny=[f"/{name}" for name in names], deny_status=307, deny_code="TemporaryRedirect", redirect=True)
-    for name in names:
-        s3.pipe(name, b"x" * 10)
-    source = ObjectSource(f"s3://{bucket}/away", storage_options=_options(f"s3://{bucket}/away", proxy))
-    objects = source.list_objects()
-    for obj in objects[:2]:
-        with pytest.raises(ObjectDeniedError):
-            source.read(source.units(obj)[0])
-    with pytest.raises(SourceError, match=r"3 object\(s\) .* refused, none read.*redirects it \(HTTP 307 to "
-                                          r"http://127.0.0.1:\d+/.*/away/cls/2.bin\).*client_kwargs.endpoint_url"):
-        source.read(source.units(objects[2])[0])
 
 
 def test_a_listing_the_store_refuses_is_a_configuration_error_naming_what_to_check(
