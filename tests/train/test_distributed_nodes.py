@@ -50,9 +50,8 @@ def test_two_nodes_daemons_fetch_the_remote_once_between_them(
     assert sorted(first + second) == list(range(FILES * ROWS)), "together they cover the remote, each sample once"
 
 
-@pytest.mark.parametrize("splits", [
-    [(0, 2), (0, 2)], pytest.param([(0, 2), (1, 3)], marks=pytest.mark.slow),
-], ids=["same_node_rank", "num_nodes_differ"])
+@pytest.mark.slow  # (several seconds each: run by .ci/run, out of plain pytest's 3 minutes)
+@pytest.mark.parametrize("splits", [[(0, 2), (0, 2)], [(0, 2), (1, 3)]], ids=["same_node_rank", "num_nodes_differ"])
 def test_nodes_whose_daemons_would_fetch_the_same_samples_are_refused(
     s3: Any, bucket: str, s3_endpoint: str, tmp_path: Path, splits: list[tuple[int, int]],
 ) -> None:

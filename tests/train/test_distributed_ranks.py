@@ -150,6 +150,7 @@ def test_each_rank_resumes_exactly_its_unseen_batches(
         assert second[rank]["epochs"][1]["ids"] == whole[1]["ids"]
 
 
+@pytest.mark.slow  # (several seconds: run by .ci/run, out of plain pytest's 3 minutes)
 def test_ranks_resuming_at_different_batches_are_refused_on_every_rank(
     tmp_path: Path, node_cache: Callable[[str, int, int], str],
 ) -> None:
