@@ -184,7 +184,7 @@ def _unredirected_session_cls() -> type | None:
     """aiobotocore's aiohttp session, its requests following no redirect, as botocore's own transport
     (urllib3, ``redirect=False``) follows none: aiohttp followed a store's 3xx to its ``Location``
     with the request signed for the first endpoint, and the refusal that came back (403) read as a
-    permission error. botocore then sees the 3xx itself (:func:`~epochcache.sources.remote.redirected`).
+    permission error. botocore then sees the 3xx itself (:func:`~epochcache.sources.remote.refused`).
     None where aiobotocore lacks the hooks (a session class in its config): redirects are then
     followed, as before."""
     try:
