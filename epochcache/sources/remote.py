@@ -518,9 +518,7 @@ class RemoteFiles:
         """Whether a HEAD of ``obj`` shows the listed version (ETag compared as :func:`bare_etag`, and size)."""
         bucket, key, _ = self.fs.split_path(obj.path)
         head = await self.fs._call_s3("head_object", Bucket=bucket, Key=key)
-        etag = head.get("ETag")
-        unchanged = obj.etag and etag and bare_etag(etag) == bare_etag(obj.etag)
-        return bool(unchanged and head.get("ContentLength") == obj.size)
+        return _names_listed(obj, head.get("ETag"), head.get("ContentLength"))
 
     async def _still_listed(self, obj: RemoteObject) -> bool:
         """Whether a listing of ``obj``'s key names its listed version (ETag compared as :func:`bare_etag`,
@@ -528,8 +526,7 @@ class RemoteFiles:
         bucket, key, _ = self.fs.split_path(obj.path)
         page = await self.fs._call_s3("list_objects_v2", Bucket=bucket, Prefix=key, MaxKeys=1)
         entry: dict[str, Any] = next((e for e in page.get("Contents", []) if e.get("Key") == key), {})
-        listed = obj.etag and entry.get("ETag") and bare_etag(entry["ETag"]) == bare_etag(obj.etag)
-        return bool(listed and entry.get("Size") == obj.size)
+        return _names_listed(obj, entry.get("ETag"), entry.get("Size"))
 
     async def _s3_get(self, obj: RemoteObject, start: int, end: int, whole: bool) -> tuple[bytes, dict[str, Any]]:
         """One GetObject (:meth:`_s3_request`): its body and its reply."""
@@ -572,6 +569,12 @@ class RemoteFiles:
     def _url(self, path: str) -> str:
         protocol = _protocols(self.fs)[0]
         return path if protocol in ("file", "local") else f"{protocol}://{path}"
+
+
+def _names_listed(obj: RemoteObject, etag: str | None, size: int | None) -> bool:
+    """Whether an ETag and size (a HEAD's, a listing entry's) name ``obj``'s listed version (ETags
+    compared as :func:`bare_etag`)."""
+    return bool(obj.etag and etag and bare_etag(etag) == bare_etag(obj.etag) and size == obj.size)
 
 
 class _Served(NamedTuple):
