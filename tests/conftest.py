@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import s3fs
+from faultproxy import FaultProxy
 
 from epochcache.cache.layout import CacheLayout
 from epochcache.cache.ledger import Ledger
@@ -92,6 +93,33 @@ def bucket(s3: s3fs.S3FileSystem) -> Iterator[str]:
     s3.mkdir(name)
     yield name
     s3.rm(name, recursive=True)
+
+
+@pytest.fixture
+def quirky(s3_endpoint: str) -> Iterator[Callable[..., FaultProxy]]:
+    """``quirky(**proxy options)``: a FaultProxy (no random faults) in front of the test server, closed after."""
+    proxies: list[FaultProxy] = []
+
+    def start(**options: Any) -> FaultProxy:
+        proxies.append(FaultProxy(s3_endpoint, rate=0.0, **options))
+        return proxies[-1]
+
+    yield start
+    for proxy in proxies:
+        proxy.close()
+
+
+def upload_multipart(s3: s3fs.S3FileSystem, path: str, parts: list[bytes]) -> str:
+    """Upload ``parts`` (each but the last 5 MiB or more: S3's least) as one multipart object at
+    ``path`` (``bucket/key``); its ETag (``"<md5 of the parts' MD5s>-<parts>"``)."""
+    bucket, key = path.split("/", 1)
+    upload = s3.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+    done = [{"PartNumber": number, "ETag": s3.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload,
+                                                       PartNumber=number, Body=body)["ETag"]}
+            for number, body in enumerate(parts, 1)]
+    reply = s3.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload,
+                       MultipartUpload={"Parts": done})
+    return str(reply["ETag"])
 
 
 def make_table(rows: int, start: int = 0, seed: int = 0) -> pa.Table:

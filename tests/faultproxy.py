@@ -30,10 +30,11 @@ holds them), as stores whose listings spell ETags otherwise than their GET repli
 ``listing_body`` rewrites the whole body (XML) of each listing reply, as stores that leave out the
 continuation token of a truncated page; ``listing_ignores`` holds query parameters dropped from listing
 requests (``continuation-token``, ``start-after``), as a store that answers the first page again;
-``reply_etag`` respells the ``ETag`` header of object GET replies (upper case, say); ``reply_checksums``
-(a function of the body: ``x-amz-checksum-*`` header name -> value) replaces the checksum headers
-of each successful object GET reply, computed before any flip, as a store whose objects carry only
-those checksums; ``refuse_listing``
+``reply_etag`` respells the ``ETag`` header of object GET replies (upper case, say); ``reply_headers``
+(a function of the body: header name -> value) replaces the ``x-amz-checksum-*`` headers of each
+successful object GET reply and adds the others it names, computed before any flip, as a store whose
+objects carry only those checksums, or are encrypted (``x-amz-server-side-encryption: aws:kms``: an
+ETag that is no MD5); ``refuse_listing``
 (a status and an S3 error code) answers every listing so, as a store refusing the region or signature;
 ``refuse_checksum_mode`` answers 501 NotImplemented to an object GET that asks for checksums
 (``x-amz-checksum-mode``), as stores without them do. The head of every object GET forwarded or
@@ -74,7 +75,7 @@ class FaultProxy:
                  refuse_checksum_mode: bool = False, reply_etag: Callable[[bytes], bytes] | None = None,
                  refuse_listing: tuple[int, str] | None = None, listing_body: Callable[[bytes], bytes] | None = None,
                  listing_ignores: Sequence[str] = (),
-                 reply_checksums: Callable[[bytes], dict[str, str]] | None = None,
+                 reply_headers: Callable[[bytes], dict[str, str]] | None = None,
                  tls: ssl.SSLContext | None = None, silent_close_s: float | None = None,
                  etags_apart: bool = False, redirect: bool = False) -> None:
         parsed = urlparse(upstream)
@@ -84,7 +85,7 @@ class FaultProxy:
         self.range_quirk, self.deny, self.listing_etag = range_quirk, {p.encode() for p in deny}, listing_etag
         self.drip_s, self.refuse_checksum_mode, self.reply_etag = drip_s, refuse_checksum_mode, reply_etag
         self.listing_body, self.listing_ignores = listing_body, tuple(name.encode() for name in listing_ignores)
-        self.reply_checksums, self._tls, self.silent_close_s = reply_checksums, tls, silent_close_s
+        self.reply_headers, self._tls, self.silent_close_s = reply_headers, tls, silent_close_s
         self.etags_apart, self.redirect = etags_apart, redirect
         self._deny_status, self._deny_code = deny_status, deny_code.encode()
         self.object_get_heads: list[bytes] = []
@@ -214,11 +215,11 @@ class FaultProxy:
             respell = self.reply_etag
             reply = re.sub(rb"(?im)^(etag: *)(.*?)(\r?)$", lambda m: m.group(1) + respell(m.group(2)) + m.group(3),
                            reply[:split]) + reply[split:]
-        if is_object_get and self.reply_checksums is not None and reply.startswith(b"HTTP/1.1 200"):
+        if is_object_get and self.reply_headers is not None and reply.startswith(b"HTTP/1.1 200"):
             split = reply.index(b"\r\n\r\n")
             head = re.sub(rb"(?im)\r\nx-amz-checksum-[a-z0-9]+:[^\r]*", b"", reply[:split])
             head += b"".join(b"\r\n%s: %s" % (name.encode(), value.encode())
-                             for name, value in self.reply_checksums(reply[split + 4:]).items())
+                             for name, value in self.reply_headers(reply[split + 4:]).items())
             reply = head + reply[split:]
         if is_object_get:
             self.object_get_replies.append(reply[: reply.index(b"\r\n\r\n")])

@@ -29,17 +29,17 @@ Pinning (invariant: bytes of one read all come from the version the listing saw)
   refuses its own listing's spelling of an unchanged object's ETag (a HEAD shows it unchanged) is
   read without ``If-Match`` from then on, pinned by the reply's ETag alone. A ranged reply must
   start where asked (its ``Content-Range``), else it is another range's bytes. A whole-object read
-  also checks the body's MD5 against a plain (single-part, not SSE-KMS/SSE-C) ETag; botocore checks
-  an ``x-amz-checksum-*`` the store sends for a whole object (CRC64NVME, S3's default for new
+  is also checked against its ETag (the body's MD5, or a multipart upload's MD5 of its parts' MD5s)
+  or a multipart upload's composite checksum (:mod:`epochcache.sources.digests`); botocore checks
+  an ``x-amz-checksum-*`` the store sends of a whole object (CRC64NVME, S3's default for new
   objects, and CRC32C only with awscrt installed: the ``crt`` extra; without it, a whole object
-  whose only checks those were is read unchecked, and the source says so once; so is one whose only
-  checksum is a multipart upload's composite one, ``<base64>-<parts>``, which botocore never checks).
+  whose only checks those were is read unchecked, and the source says so once).
 - Local files: the etag is ``<mtime>-<size>``; it is compared with a fresh ``stat`` before and after
   each read.
 - Other filesystems: the etag is recorded when their listing has one, but reads are not pinned;
   whole-object reads still ask one byte past the listed size, so growth is seen.
 
-Checks against damage in transit: whole objects by their MD5 ETag or store checksum (above);
+Checks against damage in transit: whole objects by their ETag or store checksum (above);
 metadata that formats leave unguarded (footers) by reading it twice over plain HTTP (over TLS, S3's
 default, the records' MACs guard it: :meth:`RemoteFiles.confirm`); data pages by the format's own
 checksums (Parquet page CRCs). Ranged data reads of a format without checksums (Arrow IPC, Parquet
@@ -48,7 +48,6 @@ written without page CRCs) cannot be verified: the store offers no checksum of a
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import mmap
 import re
@@ -63,20 +62,13 @@ import fsspec.asyn
 
 from epochcache.errors import CorruptObjectError, ObjectDeniedError, ObjectMissingError, SourceError
 from epochcache.sources.base import RemoteObject, bare_etag
+from epochcache.sources.digests import WholeDigests, unchecked_checksum
 from epochcache.sources.retry import RangeMismatchError, TruncatedReadError, describe, is_transient
 
 _CHUNK = 1 << 20  # bytes of a GET body copied into a unit's image at a time
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
-# (spelled in either case, and weak or not, by some S3-compatible stores)
-_PLAIN_MD5 = re.compile(r'^(?:W/)?"?([0-9a-f]{32})"?$', re.IGNORECASE)
-# Server-side encryption under which an S3 ETag is not the MD5 of the body.
-_ETAG_NOT_MD5 = {"aws:kms", "aws:kms:dsse"}
-# The checksums a GetObject reply may carry (botocore's parsed ``Checksum<name>``), and those botocore
-# computes only through awscrt (it leaves them unchecked without it).
-_STORE_CHECKSUMS = ("CRC64NVME", "CRC32C", "CRC32", "SHA1", "SHA256")
-_CRT_ONLY_CHECKSUMS = {"CRC64NVME", "CRC32C"}
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/")
 # S3 error codes that refuse the credentials, the clock or the request's signing, not one object: no
 # object will read (a 403, or a 400 for a region or signature version the store does not take).
@@ -190,7 +182,7 @@ class RemoteFiles:
         protocols = _protocols(self.fs)
         self.is_s3 = "s3" in protocols
         self.local = bool({"file", "local"} & set(protocols))
-        self._etags_are_md5 = True  # until the store shows otherwise (see _s3_read)
+        self._digests = WholeDigests()  # what the store's digests of whole objects are (see _s3_read)
         self._if_match = True  # until the store refuses an unchanged object's ETag (see _get_object)
         self._listing_etags = True  # until its GETs name an unchanged object otherwise (see _get_object)
         self._checksum_mode = True  # until the store refuses x-amz-checksum-mode (see _get_object)
@@ -234,8 +226,8 @@ class RemoteFiles:
         return obj.path.startswith("https://")
 
     def fetch_whole(self, obj: RemoteObject) -> bytes:
-        """All bytes of the listed version of ``obj``, checked against what the store offers (a
-        plain-MD5 ETag, an ``x-amz-checksum-*``); one byte past the listed size is asked for, so an
+        """All bytes of the listed version of ``obj``, checked against what the store offers (its
+        ETag, an ``x-amz-checksum-*``: see the module docstring); one byte past the listed size is asked for, so an
         object that grew since listing is seen (:class:`ObjectMissingError`), never cut."""
         data = self._read(obj, 0, obj.size + 1, whole=True)
         if len(data) > obj.size:
@@ -369,25 +361,19 @@ class RemoteFiles:
     def _s3_read(self, obj: RemoteObject, start: int, end: int, whole: bool) -> bytes:
         data, reply = self._sync(end - start, self._s3_get, obj, start, end, whole)
         self._check_served(obj, reply, start)
-        if whole and len(data) == obj.size and self._etags_are_md5:
-            md5 = _PLAIN_MD5.match(str(reply.get("ETag", "")).strip())
-            encrypted = reply.get("ServerSideEncryption") in _ETAG_NOT_MD5 or reply.get("SSECustomerAlgorithm")
-            digest = hashlib.md5(data).hexdigest()
-            if md5 and not encrypted and digest != md5.group(1).lower():
-                # Damage in transit, or a store whose plain-looking ETags are not MD5s (S3-compatible
-                # stores differ): a second read tells, as damage does not repeat itself bit for bit.
+        checked = False
+        if whole and len(data) == obj.size:
+            checked, failed = self._digests.check(data, reply)
+            if failed is not None:
+                # Damage in transit, or a store whose digests are not what they look like (S3-compatible
+                # stores differ), or parts of sizes not guessed: a second read tells, as damage does not
+                # repeat itself bit for bit.
                 again, _ = self._sync(end - start, self._s3_get, obj, start, end, whole)
-                if hashlib.md5(again).hexdigest() != digest:
-                    raise CorruptObjectError(f"{self._url(obj.path)}: its bytes do not match its ETag (MD5 "
-                                             f"{md5.group(1)}): damaged in transit")
-                self._etags_are_md5 = False
-                log.warning("%s: two reads agree but not with its ETag %s: this store's ETags are not MD5s, so "
-                            "whole-object reads under %s are not checked by ETag", self._url(obj.path),
-                            md5.group(1), self.url)
-            checked = bool(md5) and not encrypted and self._etags_are_md5
-        else:
-            checked = False
-        if whole and not checked and not self._said_unchecked and (name := _unchecked_checksum(reply)):
+                if again != data:
+                    raise CorruptObjectError(f"{self._url(obj.path)}: its bytes do not match its {failed}: "
+                                             "damaged in transit")
+                self._digests.give_up(failed, self._url(obj.path), self.url)
+        if whole and not checked and not self._said_unchecked and (name := unchecked_checksum(reply)):
             self._said_unchecked = True
             log.warning("%s: its only checksum is %s: whole objects under %s like it are read unchecked",
                         self._url(obj.path), name, self.url)
@@ -493,7 +479,7 @@ class RemoteFiles:
                 if self._checksum_mode:
                     self._checksum_mode = False
                     log.warning("%s: the store refuses to send checksums (%s to x-amz-checksum-mode): whole "
-                                "objects under %s are checked by their MD5 ETag alone from now on",
+                                "objects under %s are checked by their ETag alone from now on",
                                 self._url(obj.path), _status(exc), self.url)
                 return reply
             if "IfMatch" not in request or not _precondition_failed(exc):
@@ -599,24 +585,6 @@ class _Served(NamedTuple):
     def __str__(self) -> str:
         return f"ETag {self.etag}" if self.etag else f"Last-Modified {self.modified:.0f}" \
             if self.modified is not None else "unknown"
-
-
-def _unchecked_checksum(reply: dict[str, Any]) -> str | None:
-    """The checksum a GetObject reply carries and why botocore could not check it, if it carries no
-    checksum botocore checked; else None. botocore checks none of a multipart upload's composite
-    checksums (``<base64>-<parts>``: of its parts' checksums), and CRC64NVME and CRC32C only with
-    awscrt installed."""
-    from botocore.compat import HAS_CRT  # (botocore is loaded by then: the reply came through it)
-
-    sent = {name: str(reply[f"Checksum{name}"]) for name in _STORE_CHECKSUMS if reply.get(f"Checksum{name}")}
-    checked = [name for name, value in sent.items()
-               if "-" not in value and (HAS_CRT or name not in _CRT_ONLY_CHECKSUMS)]
-    if not sent or checked:
-        return None
-    name, value = next(iter(sent.items()))
-    if "-" in value:
-        return f"{name} of its parts (a multipart upload's composite checksum), which botocore does not check"
-    return f"{name}, which botocore checks only with awscrt installed (pip install 'epochcache[crt]')"
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

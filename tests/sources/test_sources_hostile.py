@@ -349,28 +349,35 @@ def test_the_crcs_the_proxy_sends_are_the_standard_ones() -> None:
     assert _CRCS["CRC32"](b"123456789").hex() == "cbf43926"
 
 
-def _multipart(etag: bytes) -> bytes:
-    """An ETag spelled as a multipart upload's (``"<hex>-2"``): not an MD5 of the object."""
-    return etag.rstrip(b'"') + b'-2"'
+_SSE_KMS = {"x-amz-server-side-encryption": "aws:kms"}  # (its ETag is then no MD5 of the body)
+
+
+def _composite(body: bytes, algorithm: str, parts: int) -> str:
+    """S3's composite checksum of ``body`` uploaded in ``parts`` parts of one size but the last: the
+    checksum of the parts' checksums, ``<base64>-<parts>``."""
+    part = -(-len(body) // parts)
+    joined = b"".join(_CRCS[algorithm](body[at:at + part]) for at in range(0, len(body), part))
+    return base64.b64encode(_CRCS[algorithm](joined)).decode() + f"-{parts}"
 
 
 @contextlib.contextmanager
 def _crt_only_store(s3: Any, bucket: str, s3_endpoint: str, algorithm: str, flip_rate: float,
                     parts: int | None = None) -> Iterator[ObjectSource]:
-    """An object source over one object whose ETag is spelled as a multipart upload's (no MD5) and whose
-    only checksum is ``algorithm`` (with ``parts``, spelled as the composite checksum of that many
-    parts: ``<base64>-<parts>``), through a proxy flipping a bit of each body at ``flip_rate``."""
+    """An object source over one object encrypted with SSE-KMS (its ETag no MD5) whose only checksum
+    is ``algorithm`` (with ``parts``, a multipart upload's composite checksum of that many parts),
+    through a proxy flipping a bit of each body at ``flip_rate``."""
     from faultproxy import FaultProxy
 
     s3.pipe(f"{bucket}/crt/cls/a.bin", b"x" * 1000)
     header = f"x-amz-checksum-{algorithm.lower()}"
-    suffix = "" if parts is None else f"-{parts}"
 
-    def checksums(body: bytes) -> dict[str, str]:
-        return {header: base64.b64encode(_CRCS[algorithm](body)).decode() + suffix}
+    def headers(body: bytes) -> dict[str, str]:
+        value = base64.b64encode(_CRCS[algorithm](body)).decode() if parts is None else \
+            _composite(body, algorithm, parts)
+        return {header: value, **_SSE_KMS}
 
     proxy = FaultProxy(s3_endpoint, rate=0.0, flip_rate=flip_rate, seed=2, ignore_if_match=True,
-                       listing_etag=_multipart, reply_etag=_multipart, reply_checksums=checksums)
+                       reply_headers=headers)
     try:
         options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url},
                    "config_kwargs": {"response_checksum_validation": "when_required"}}  # (as the daemon sets it)
@@ -408,19 +415,36 @@ def test_a_whole_object_whose_only_checksum_botocore_cannot_check_is_said_so_onc
     assert len(said) == 1 and algorithm in said[0] and "epochcache[crt]" in said[0]
 
 
-@pytest.mark.parametrize("algorithm", ["CRC32C", "CRC32"])
-def test_a_whole_object_whose_only_checksum_is_a_multipart_composite_is_said_read_unchecked_once(
-    s3: Any, bucket: str, s3_endpoint: str, algorithm: str, caplog: pytest.LogCaptureFixture
+@pytest.mark.skipif(HAS_CRT, reason="awscrt is installed: epochcache checks composite CRC32Cs")
+def test_a_whole_object_whose_only_checksum_is_a_composite_crc32c_is_said_read_unchecked_once(
+    s3: Any, bucket: str, s3_endpoint: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A multipart upload's checksum is of its parts' checksums (``<base64>-<parts>``): botocore skips
-    it, awscrt or not, so a body flipped in transit was read as the object's bytes without a word."""
-    with _crt_only_store(s3, bucket, s3_endpoint, algorithm, flip_rate=0.0, parts=3) as source:
+    it, and without awscrt epochcache has no CRC32C to compute it with: said once, not read as checked."""
+    with _crt_only_store(s3, bucket, s3_endpoint, "CRC32C", flip_rate=0.0, parts=3) as source:
         (obj,) = source.list_objects()
         with caplog.at_level(logging.WARNING, logger="epochcache.sources.remote"):
             for _ in range(2):
                 assert source.read(source.units(obj)[0])["data"].to_pylist() == [b"x" * 1000]
     said = [r.message for r in caplog.records if "read unchecked" in r.message]
-    assert len(said) == 1 and f"{algorithm} of its parts" in said[0] and "composite" in said[0]
+    assert len(said) == 1 and "CRC32C of its parts" in said[0] and "composite" in said[0]
+
+
+@pytest.mark.parametrize("flip_rate", [0.0, 1.0], ids=["intact", "flipped"])
+def test_a_whole_object_is_checked_by_its_composite_crc32(
+    s3: Any, bucket: str, s3_endpoint: str, flip_rate: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """botocore never checks a composite checksum; epochcache does, cutting the body into the parts
+    (here the even split of 1,000 bytes into 3): intact, read without a word; flipped, corrupt."""
+    with _crt_only_store(s3, bucket, s3_endpoint, "CRC32", flip_rate=flip_rate, parts=3) as source:
+        (obj,) = source.list_objects()
+        with caplog.at_level(logging.WARNING):
+            if flip_rate:
+                with pytest.raises(CorruptObjectError, match=r"a.bin: its bytes do not match its composite CRC32 "):
+                    source.read(source.units(obj)[0])
+            else:
+                assert source.read(source.units(obj)[0])["data"].to_pylist() == [b"x" * 1000]
+        assert not caplog.records
 
 
 @pytest.mark.parametrize("spelling", [None, bytes.upper, lambda etag: b"W/" + etag],

@@ -33,20 +33,6 @@ def _parquet(rows: int = 64, start: int = 0) -> bytes:
     return buffer.getvalue()
 
 
-@pytest.fixture
-def quirky(s3_endpoint: str) -> Iterator[Callable[..., FaultProxy]]:
-    """``quirky(**proxy options)``: a FaultProxy (no random faults) in front of the test server, closed after."""
-    proxies: list[FaultProxy] = []
-
-    def start(**options: Any) -> FaultProxy:
-        proxies.append(FaultProxy(s3_endpoint, rate=0.0, **options))
-        return proxies[-1]
-
-    yield start
-    for proxy in proxies:
-        proxy.close()
-
-
 def _options(url: str, proxy: FaultProxy, timeout_s: float = 10.0) -> dict[str, Any]:
     """The storage options the daemon would use (one attempt per request, ``timeout_s``), via ``proxy``."""
     options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url}}
@@ -222,22 +208,6 @@ def test_a_body_that_trickles_is_given_up_after_its_size_allows(
         remote.fetch_into(obj, 0, memoryview(blank_image(obj.size)))
     assert time.monotonic() - began < 20.0, "given up in seconds, not after the whole trickle"
     assert proxy.faults["drip"] == 1
-
-
-def test_a_multipart_object_is_read_whole_not_judged_corrupt(s3: Any, bucket: str, s3_options: dict[str, Any]) -> None:
-    """A multipart upload's ETag is ``"<md5 of the part md5s>-<parts>"``, not the body's MD5: the
-    whole-object read keeps its bytes (checked by length and the If-Match pin, not by that ETag)."""
-    key, parts = "mp/cls/big.bin", [bytes([1]) * 5 * 2**20, bytes([2]) * 1000]
-    upload = s3.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
-    done = [{"PartNumber": number, "ETag": s3.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload,
-                                                       PartNumber=number, Body=body)["ETag"]}
-            for number, body in enumerate(parts, 1)]
-    s3.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": done})
-    source = ObjectSource(f"s3://{bucket}/mp", storage_options=s3_options)
-    (obj,) = source.list_objects()
-    assert obj.etag is not None and obj.etag.strip('"').endswith("-2")
-    assert source.read(source.units(obj)[0])["data"].to_pylist() == [b"".join(parts)]
-
 
 
 def test_a_stalled_listing_is_given_up_as_transient(s3: Any, bucket: str, quirky: Callable[..., FaultProxy]) -> None:
