@@ -56,6 +56,7 @@ from epochcache.cache.ledger_schema import DB_NAME, LEGACY_DB_NAME, OPEN_PATIENC
 from epochcache.cache.ledger_uses import COLUMNS, choose_by_index, clock, record, retire
 from epochcache.cache.shard_files import whole_shards
 from epochcache.errors import CacheError
+from epochcache.sources.base import unit_path
 
 __all__ = ["LEDGER_RESERVE", "OPEN_PATIENCE_S", "PUBLISH_GROWTH", "Chooser", "Lease", "Ledger", "Quarantined",
            "ShardRecord", "Stage", "Usage", "by_age", "take_until"]
@@ -329,7 +330,7 @@ class Ledger:
             return [], 0
         with self.db.read() as con:
             hit = {sid for sid, units in con.execute("SELECT id, units FROM shards")
-                   if any(unit.rsplit("#", 1)[0] in wanted for unit in json.loads(units))}
+                   if any(unit_path(unit) in wanted for unit in json.loads(units))}
         if not hit:
             return [], 0
         with self.db.write() as con:

@@ -49,6 +49,11 @@ class Unit:
         return whole if self.part is None else f"{whole}~{self.part}"
 
 
+def unit_path(key: str) -> str:
+    """The object path of a unit key (:attr:`Unit.key`)."""
+    return key.rsplit("#", 1)[0]
+
+
 class Source(Protocol):
     """A remote dataset: list its objects, split an object into units, read a unit.
 

@@ -7,6 +7,7 @@ column, at any depth (it becomes a tensor, which has no null), drops the row, co
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,14 @@ class Building:
         self.tables.append(table)
         self.units.append(unit.key)
         self.nbytes += table.nbytes
+
+    def drop(self, keys: Collection[str]) -> list[str]:
+        """Take out the units of ``keys`` with their rows; the keys taken out."""
+        kept = [(key, table) for key, table in zip(self.units, self.tables) if key not in keys]
+        dropped = [key for key in self.units if key in keys]
+        self.units, self.tables = [key for key, _ in kept], [table for _, table in kept]
+        self.nbytes = sum(table.nbytes for table in self.tables)
+        return dropped
 
     def rows(self) -> pa.Table:
         """The shard's rows as one chunk per column (a shard file holds one record batch), copied

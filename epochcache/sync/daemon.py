@@ -185,7 +185,7 @@ class _Run:
             self.writer = ShardWriter(writer, publisher, self.claims, self.report, self.bar, self.daemon.on_publish,
                                       self.stop)
             walk = Walk(self.cfg, self.daemon.layout, self.ledger, self.streams, pool, self.retrier, self.claims,
-                        self.skips, self.vitals, self.stop, self.once)
+                        self.skips, self.vitals, self.stop, self.once, settle=self.writer.settle)
             window = FetchWindow(pool, self.retrier, self.claims, self.skips, self.intake, self.cfg.sampler.concurrency,
                                  int(self.cfg.sampler.max_inflight_bytes), self._first_shard_pending, self.stop)
             try:
@@ -208,6 +208,9 @@ class _Run:
         (``once``) or, with ``once``, every stream has completed a pass."""
         building = Building(position)
         for stream, unit, after, table in fetched:
+            if self.claims.outdated:  # (a listing showed objects rewritten: see Claims)
+                for key in building.drop(self.claims.outdated):
+                    self.claims.drop(key)
             if stream is None:
                 if building.tables and not self._publish(building):
                     return self._stop_reason()
@@ -241,6 +244,8 @@ class _Run:
         whose field metadata names a shape become tensor columns (:func:`shaped`); rows with a null
         in a fixed-width column are dropped (counted). Raises :class:`SourceError` if its
         columns differ from the rows before it, :class:`DatasetMismatchError` if from the rows cached."""
+        if self.claims.drop(unit.key):  # read from a version the remote has replaced since
+            return True
         self.binding.check(stream.name, unit.key, table.schema)
         table, dropped = screen(shaped(table))
         if dropped:

@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import make_table
+from conftest import DaemonThread, make_table, wait_for
 from faultproxy import FaultProxy
 
 from epochcache import EpochCachedLoader, Ledger, SyncDaemon
@@ -172,3 +172,34 @@ def test_a_unit_skipped_as_its_object_was_rewritten_mid_pass_is_not_read_from_th
         assert ledger.counters.all()["objects_missing"] == 1, "the skipped unit dropped at the pass end, not read"
     finally:
         ledger.close()
+
+
+def test_units_read_before_their_object_was_rewritten_and_not_yet_published_never_reach_the_cache(
+    s3: Any, bucket: str, s3_options: dict[str, Any], make_config: Callable[..., Config]
+) -> None:
+    """A unit read (its old bytes in hand) and still in the shard being built when the next pass's
+    listing shows its object rewritten: published after the shards of the old version were retired,
+    its rows stayed for good, and its key, counting as cached, kept the new version from being read."""
+    paths = [f"{bucket}/data/part-{number}.parquet" for number in range(2)]
+    for number, path in enumerate(paths):
+        s3.pipe(path, _parquet(number * ROWS))
+    config = make_config(f"s3://{bucket}/data", **{
+        "source.storage_options": s3_options, "cache.max_bytes": "200MB", "cache.shard_bytes": "50MB",
+        "sampler.concurrency": 1, "sampler.mix_units": 1, "sampler.whole_object_bytes": 0,  # one GET at a time
+    })
+    fetched: list[str] = []
+
+    def rewrite_the_object_of_the_second_unit(unit: Any) -> None:
+        fetched.append(unit.obj.path)  # (the first unit is published alone: an empty cache's first shard)
+        if len(fetched) == 2:
+            s3.pipe(unit.obj.path, _parquet(NEW))
+
+    daemon = DaemonThread(SyncDaemon(config, progress=False, on_fetch=rewrite_the_object_of_the_second_unit))
+    try:
+        wait_for(lambda: len(fetched) >= 2, timeout=30)
+        other = paths.index(next(path for path in paths if path != fetched[1]))
+        expected = Counter([*range(NEW, NEW + ROWS), *range(other * ROWS, (other + 1) * ROWS)])
+        wait_for(lambda: _cached(config) == expected, timeout=30, interval=0.1)
+    finally:
+        daemon.stop()
+    assert _epoch_ids(config) == expected
