@@ -18,8 +18,9 @@ class Stream:
     """One configured source as the daemon walks it.
 
     ``totals``: objects of this node's share of each pass listed so far (for progress);
-    ``rows_per_byte``: seen in this source's reads, to estimate the rows of units whose metadata does
-    not tell them (Arrow IPC, WebDataset); ``estimates``: those estimates for units not read yet;
+    ``rows_per_byte``: seen in this source's reads so far (``rows_read`` over ``bytes_read``), to
+    estimate the rows of units whose metadata does not tell them (Arrow IPC, WebDataset);
+    ``estimates``: those estimates for units not read yet;
     ``unaccounted``: rows read minus rows estimated, for the pick to count next; ``idle_until``:
     while every unit of its last pass was cached, it gives no unit until then (monotonic seconds).
     ``node_bytes``, ``objects_counted``, ``rows_counted``: for :meth:`remote_rows`.
@@ -31,9 +32,12 @@ class Stream:
     mix: int = 8  # this pass's objects per mixing window
     totals: dict[int, int] = field(default_factory=dict)
     rows_per_byte: float | None = None
+    rows_read: int = 0  # rows and bytes of the units read whose metadata did not tell their rows
+    bytes_read: int = 0
     estimates: dict[str, int] = field(default_factory=dict)
     unaccounted: int = 0
     idle_until: float = 0.0
+    idle_passes: int = 0  # passes in a row that found every unit cached (see walk.idle_wait)
     node_bytes: int | None = None  # this node's share of the current pass's listed bytes
     objects_counted: int = 0  # objects whose metadata told their rows, and those rows
     rows_counted: int = 0
@@ -99,5 +103,7 @@ class Stream:
         error goes to ``unaccounted``."""
         if unit.rows is None:
             self.unaccounted += kept - self.estimates.pop(unit.key, kept)
-            if unit.nbytes > 0:
-                self.rows_per_byte = whole.num_rows / unit.nbytes
+            if unit.nbytes > 0:  # (over every unit read: units differ, a WebDataset tar's from the next)
+                self.rows_read += whole.num_rows
+                self.bytes_read += unit.nbytes
+                self.rows_per_byte = self.rows_read / self.bytes_read
