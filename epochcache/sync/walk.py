@@ -37,7 +37,12 @@ from epochcache.sync.vitals import Vitals
 
 log = logging.getLogger(__name__)
 
+# A stream whose pass found every unit cached lists the remote again after IDLE_POLL_S, twice that
+# after a second such pass, and so on up to IDLE_POLL_MAX_S: a fully cached remote of a million
+# objects is not listed (a thousand LIST requests) every few seconds for as long as the daemon runs.
 IDLE_POLL_S = 5.0
+IDLE_POLL_MAX_S = 300.0
+_IDLE_CHECK_S = 1.0  # how often an idle walk looks whether the cache let shards go (one O(1) query)
 # The listing header's key for the bytes a cache holds per listed byte of the stream (auto's shape).
 CACHED_PER_LISTED = "cached_per_listed"
 
@@ -52,18 +57,19 @@ class Walk:
 
     def __init__(self, config: Config, layout: CacheLayout, ledger: Ledger, streams: Sequence[Stream], pool: Executor,
                  retrier: Retrier, claims: Claims, skips: SkipBook, vitals: Vitals, stop: threading.Event,
-                 once: bool) -> None:
+                 once: bool, settle: Callable[[], object]) -> None:
+        """``settle``: wait until the shards handed to the writer are published (see :meth:`_list`)."""
         self.config, self.ledger, self.streams, self.pool, self.vitals = config, ledger, streams, pool, vitals
-        self._layout = layout  # (where the shards of rewritten objects are deleted: see _list)
+        self._layout, self._settle = layout, settle  # (see _list)
         self.retrier, self.claims, self.skips, self.stop, self.once = retrier, claims, skips, stop, once
 
     def merged(self, position: MixCursor) -> Iterator[Item]:
         """The streams' walks merged by weight (:func:`~epochcache.sync.mixing.pick`) from ``position``.
 
-        A stream whose last pass found every unit cached gives nothing for ``IDLE_POLL_S`` (its
-        share goes to the others, and it comes back at its share rather than catching up on the rows
-        it could not give); with ``once`` a stream stops after one pass. Ends when stopped or when
-        every stream stopped."""
+        A stream whose last pass found every unit cached gives nothing for a while (:func:`idle_wait`:
+        its share goes to the others, and it comes back at its share rather than catching up on the
+        rows it could not give); with ``once`` a stream stops after one pass. Ends when stopped or
+        when every stream stopped."""
         walks = {s.name: self._stream_walk(s, position.cursors[s.name]) for s in self.streams}
         weights = {s.name: s.config.weight for s in self.streams}
         live = list(self.streams)
@@ -75,8 +81,7 @@ class Walk:
             ready = {s.name: s.config.weight for s in live if s.idle_until <= now}
             if not ready:
                 yield None, None, position
-                log.info("every unit of the remote is cached; checking again in %.0fs", IDLE_POLL_S)
-                self.stop.wait(min(s.idle_until for s in live) - now)
+                self._idle(live)
                 continue
             stream = next(s for s in live if s.name == pick(ready, position.rows))
             item = next(walks[stream.name], None)
@@ -89,6 +94,22 @@ class Walk:
             rows, stream.unaccounted = stream.unaccounted + fresh, 0
             position = position.advance(stream.name, cursor, rows)
             yield stream, unit, position
+
+    def _idle(self, streams: Sequence[Stream]) -> None:
+        """Wait while every stream is idle: until the first is due to list again, or the cache lets
+        shards go (quarantined, deleted by ``verify --fix``): then every stream walks again at once,
+        to fill the room, without waiting for the next listing."""
+        due = min(s.idle_until for s in streams)
+        log.info("every unit of the remote is cached; listing it again in %.0fs", due - time.monotonic())
+        held = self.ledger.usage().shards
+        while not self.stop.wait(min(_IDLE_CHECK_S, max(0.0, due - time.monotonic()))) and time.monotonic() < due:
+            shards = self.ledger.usage().shards
+            if shards < held:
+                log.info("the cache let %d shards go: walking the remote again now", held - shards)
+                for stream in streams:
+                    stream.idle_until = time.monotonic()
+                return
+            held = max(held, shards)
 
     def _stream_walk(self, stream: Stream, cursor: Cursor) -> Iterator[tuple[Unit | None, Cursor]]:
         """``stream``'s units from ``cursor`` on, pass after pass, each pass ended by ``(None, the
@@ -116,8 +137,9 @@ class Walk:
             yield None, cursor
             if self.once:
                 return
+            stream.idle_passes = 0 if fetching else stream.idle_passes + 1
             if not fetching:
-                stream.idle_until = time.monotonic() + IDLE_POLL_S
+                stream.idle_until = time.monotonic() + idle_wait(stream.idle_passes)
 
     def _shape(self, stream: Stream, pass_: int, listing: PagedListing, objects: int) -> None:
         """Set the pass's row slices and mixing window (:func:`pass_shape`) for this node's ``objects``
@@ -208,8 +230,11 @@ class Walk:
         return None
 
     def _list(self, stream: Stream, pass_: int) -> PagedListing:
-        """A fresh listing for pass ``pass_``; shards holding rows of objects rewritten since the last
-        listing are retired (``Ledger.retire_rewritten``), so this pass reads their new version."""
+        """A fresh listing for pass ``pass_``; rows of objects rewritten since the last listing leave
+        the cache, so this pass (or the next, for units on their way now) reads their new version:
+        the shards handed to the writer are published, then those of the ledger holding such rows
+        are retired (``Ledger.retire_rewritten``) and the units claimed, read and not yet published,
+        outdated (:meth:`Claims.outdate`: the daemon drops their rows)."""
         last = self.ledger.daemon.listing(stream.name) or {}
         header = {"order": stream_order(self.config, stream), "pass": pass_,
                   CACHED_PER_LISTED: last.get(CACHED_PER_LISTED)}
@@ -224,15 +249,22 @@ class Walk:
         log.info("listed %d objects under %s for pass %d", len(listing), stream.source.url, pass_)
         rewritten = self.ledger.daemon.rewritten(stream.name)
         if rewritten:
+            self._settle()
+            outdated = self.claims.outdate(rewritten)
             removed, held = self.ledger.retire_rewritten(rewritten)
             for record in removed:  # (their records are gone first: see the ledger's invariants)
                 self._layout.remove(record.filename)
             log.warning("%d objects under %s were rewritten since the last pass (e.g. %s): this pass reads them "
                         "again; %d shards holding their old rows deleted, %d more leave the epochs to come and "
-                        "are deleted once no epoch holds them", len(rewritten), stream.source.url, rewritten[0],
-                        len(removed), held)
+                        "are deleted once no epoch holds them, %d units of them read and not yet cached dropped",
+                        len(rewritten), stream.source.url, rewritten[0], len(removed), held, outdated)
         self.ledger.daemon.drop_previous_listing(stream.name)
         return listing
+
+
+def idle_wait(passes: int) -> float:
+    """Seconds a stream waits before listing again after ``passes`` passes in a row found every unit cached."""
+    return min(IDLE_POLL_S * 2 ** min(passes - 1, 16), IDLE_POLL_MAX_S)
 
 
 class _Arriving(Sequence[Sequence[Unit]]):

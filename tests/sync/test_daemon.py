@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -264,3 +265,29 @@ def test_an_empty_cache_gets_a_one_unit_first_shard(remote: str, make_config: Ca
     ledger.close()
     assert len(first.units) == 1, "a trainer started with the daemon waits for one unit, not a shard"
     assert rest and all(len(record.units) > 1 for record in rest[:-1]), "then shards fill to cache.shard_bytes"
+
+
+@pytest.mark.slow  # (15 s: two idle waits, of 5 s and 10 s)
+def test_an_idle_daemon_lists_ever_less_often_yet_refills_at_once_a_shard_let_go(
+    remote: str, make_config: Callable[..., Config], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fully cached remote is listed again after 5 s, then 10 s, 20 s... up to 5 minutes (it was
+    listed every 5 s for as long as the daemon ran: a thousand LISTs each time for a million objects);
+    a shard leaving the cache meanwhile (quarantined here) has its units read again within seconds."""
+    caplog.set_level(logging.INFO, logger="epochcache.sync.walk")
+    config = make_config(remote, **ROOMY)
+    daemon = DaemonThread(SyncDaemon(config, progress=False))
+    ledger = _ledger(config)
+    try:
+        def idle() -> list[str]:
+            return [m for m in caplog.messages if "listing it again in" in m]
+
+        wait_for(lambda: len(idle()) >= 2, timeout=60)
+        assert idle()[0].endswith("in 5s") and idle()[1].endswith("in 10s")
+        victim = ledger.shards()[0]
+        assert ledger.quarantine.add(victim.id, "damaged") is not None
+        wait_for(lambda: ledger.cached_units(victim.units) == set(victim.units), timeout=8.0)
+        assert any("let 1 shards go" in m for m in caplog.messages), "woken by the shard let go, not the listing"
+    finally:
+        ledger.close()
+        daemon.stop()
