@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 from collections.abc import Sequence
@@ -50,9 +51,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging(getattr(args, "verbose", 0) or 0)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # (here, so that a reader gone is seen below, not at exit)
+        return code
     except EpochcacheError as exc:
         return _fail(str(exc))
+    except BrokenPipeError:
+        # The reader of our output left (``epochcache status | head``): as a Unix tool does, stop
+        # quietly. stdout goes to /dev/null first, or flushing it at exit raises again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # (128 + SIGPIPE, what a shell reports for a tool SIGPIPE ended)
     except Exception as exc:
         # The S3 client raises its credential errors from deep inside a request: one line, not 80.
         if not _no_credentials(exc):

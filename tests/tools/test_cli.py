@@ -276,3 +276,18 @@ def test_verify_and_clear_show_no_bar_off_a_terminal_or_with_no_progress(tmp_pat
     assert main(["verify", "--config", config, "--fix", "--no-progress"]) == 0
     assert main(["clear", "--config", config, "--yes", "--no-progress"]) == 0
     assert "%" not in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path: Path) -> None:
+    """``epochcache status | head -1``: the reader gone, the command stops with 141 (128 + SIGPIPE),
+    as a Unix tool does, without a BrokenPipeError traceback."""
+    config = _config(tmp_path)
+    assert main(["sync", "--config", str(config), "--once", "--no-progress"]) == 0
+    reader, writer = os.pipe()
+    os.close(reader)  # gone before a byte is written
+    try:
+        done = subprocess.run([sys.executable, "-m", "epochcache", "status", "--config", str(config)],
+                              stdout=writer, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(writer)
+    assert done.returncode == 141 and done.stderr == "", done.stderr
