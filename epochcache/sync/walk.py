@@ -134,12 +134,14 @@ class Walk:
                 fetching = fetching or not self.claims.taken(unit.key)
                 yield unit, after
             cursor = cursor.next_pass()
+            # (set before the pass end is handed on: the walk waits before this generator lists the
+            # next pass, not after, which would have it act on each listing one wait late)
+            stream.idle_passes = 0 if fetching else stream.idle_passes + 1
+            if not fetching and not self.once:
+                stream.idle_until = time.monotonic() + idle_wait(stream.idle_passes)
             yield None, cursor
             if self.once:
                 return
-            stream.idle_passes = 0 if fetching else stream.idle_passes + 1
-            if not fetching:
-                stream.idle_until = time.monotonic() + idle_wait(stream.idle_passes)
 
     def _shape(self, stream: Stream, pass_: int, listing: PagedListing, objects: int) -> None:
         """Set the pass's row slices and mixing window (:func:`pass_shape`) for this node's ``objects``

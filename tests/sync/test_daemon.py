@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import DaemonThread, UnitLog, wait_for, write_parquet_dataset
+from conftest import DaemonThread, UnitLog, make_table, wait_for, write_parquet_dataset
 
 from epochcache import DaemonRunningError, Ledger, ShardRecord, SyncDaemon
 from epochcache.cache.layout import TMP_SUFFIX, CacheLayout, bytes_under
@@ -288,6 +289,26 @@ def test_an_idle_daemon_lists_ever_less_often_yet_refills_at_once_a_shard_let_go
         assert ledger.quarantine.add(victim.id, "damaged") is not None
         wait_for(lambda: ledger.cached_units(victim.units) == set(victim.units), timeout=8.0)
         assert any("let 1 shards go" in m for m in caplog.messages), "woken by the shard let go, not the listing"
+    finally:
+        ledger.close()
+        daemon.stop()
+
+
+@pytest.mark.slow  # (6 s: one idle wait)
+def test_an_idle_daemon_reads_an_object_added_while_it_waits_once_the_wait_is_over(
+    remote: str, make_config: Callable[..., Config], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The listing comes after the wait, not before it: the walk listed the next pass at once and then
+    waited, so an object added during a wait of 5 s was read only after the 10 s wait after it."""
+    caplog.set_level(logging.INFO, logger="epochcache.sync.walk")
+    config = make_config(remote, **ROOMY)
+    daemon = DaemonThread(SyncDaemon(config, progress=False))
+    ledger = _ledger(config)
+    try:
+        wait_for(lambda: any(m.endswith("listing it again in 5s") for m in caplog.messages), timeout=60)
+        with fsspec.open(f"{remote}/part-new.parquet", "wb") as f:
+            pq.write_table(make_table(ROWS_PER_GROUP, 10**6), f)
+        wait_for(lambda: ledger.cached_units([f"{remote}/part-new.parquet#0"]), timeout=9.0)
     finally:
         ledger.close()
         daemon.stop()
