@@ -13,11 +13,11 @@ digest: before this module, a multipart object (most objects over 8 MiB: a WebDa
 plain HTTP was taken as sent. A reply names its parts' count, not their size; uploaders cut every
 part but the last to one size (8 MiB: the AWS CLI and boto3; 50 MiB: s3fs; 5 MiB, S3's least:
 rclone, the Go SDK), so the size is found by trying, in turn, the one that last matched under the
-source, the common sizes and the even split that give the reply's count, :data:`MAX_TRIES` hash
-passes at most. None matching means damage in transit or parts of sizes not tried: the caller tells
-them apart by a second read (damage does not repeat itself bit for bit) and, if the two agree, gives
-that kind of digest up for the source (:meth:`WholeDigests.give_up`), as for a store whose plain
-ETags are no MD5s.
+source, the common sizes, whole MiBs and the even split that give the reply's count,
+:data:`MAX_TRIES` hash passes at most. None matching means damage in transit or parts of sizes not
+tried: the caller tells them apart by a second read (damage does not repeat itself bit for bit)
+and, if the two agree, gives that kind of digest up for the source (:meth:`WholeDigests.give_up`),
+as for a store whose plain ETags are no MD5s.
 """
 
 from __future__ import annotations
@@ -106,13 +106,14 @@ def claims(reply: dict[str, Any]) -> list[Claim]:
 
 def part_sizes(size: int, parts: int, hint: int | None = None) -> list[int]:
     """The part sizes to try for an object of ``size`` bytes uploaded in ``parts`` parts, all but the
-    last of one size: ``hint`` (the size that last matched), :data:`COMMON_PART_SIZES`, the even split
-    rounded up to a MiB and not, those of them that cut ``size`` into exactly ``parts`` parts, at most
-    :data:`MAX_TRIES`."""
+    last of one size: ``hint`` (the size that last matched), :data:`COMMON_PART_SIZES`, whole MiBs
+    from the even split up (s3fs cuts a part at the first write past its block size), then the even
+    split itself: those that cut ``size`` into exactly ``parts`` parts, at most :data:`MAX_TRIES`."""
     if parts <= 1:
         return [size] if parts == 1 else []
     even = -(-size // parts)
-    candidates = [hint, *COMMON_PART_SIZES, -(-even // MiB) * MiB, even]
+    mibs = range(-(-even // MiB) * MiB, even + MAX_TRIES * MiB, MiB)
+    candidates = [hint, *COMMON_PART_SIZES, *mibs, even]
     tried: list[int] = []
     for part in candidates:
         # (parts - 1) whole parts fall short of the size, ``parts`` reach it

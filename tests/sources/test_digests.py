@@ -38,6 +38,7 @@ def test_the_part_sizes_tried_start_with_the_last_that_matched_then_the_common_o
     assert part_sizes(11 * MiB, 2, hint=7 * MiB)[0] == 7 * MiB
     assert 7 * MiB not in part_sizes(30 * MiB, 2, hint=7 * MiB), "a hint that gives another count is not tried"
     assert part_sizes(12, 0) == []
+    assert 7 * MiB in part_sizes(14_807_040, 3), "s3fs's parts: the first 1 MiB write past a 6 MiB block"
 
 
 @pytest.mark.parametrize("part", [8 * MiB, 5 * MiB, 16 * MiB, None], ids=["8MiB", "5MiB", "16MiB", "even-split"])
