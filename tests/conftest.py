@@ -37,6 +37,30 @@ logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's per-request li
 _SESSION_ENDPOINTS: set[str] = set()  # the moto server's, once started (s3_endpoint)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _service_models_parsed_once() -> Iterator[None]:
+    """Every botocore session parses S3's service model and endpoint data (JSON of megabytes) anew:
+    0.1-0.3 s per S3 client, and the tests make hundreds (each fixture, source, daemon, retried
+    listing): a third of the suite's time on 2 cores. Here the test process's sessions share one
+    loader, which parses each file once; what the code under test does is unchanged (the files are
+    botocore's read-only data, and processes the tests start parse their own)."""
+    import botocore.loaders
+    import botocore.session
+
+    loaders: dict[str | None, botocore.loaders.Loader] = {}
+    create = botocore.session.create_loader
+
+    def create_loader(search_path_string: str | None = None) -> botocore.loaders.Loader:
+        if search_path_string not in loaders:
+            loaders[search_path_string] = create(search_path_string)
+        return loaders[search_path_string]
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(botocore.session, "create_loader", create_loader)
+    yield
+    patch.undo()
+
+
 @pytest.fixture(autouse=True)
 def _no_filesystem_kept() -> Iterator[None]:
     """A test's S3 filesystems of other endpoints than the session's moto server (its fault proxies,
