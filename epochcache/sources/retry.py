@@ -169,7 +169,7 @@ def single_attempt_options(url: str, storage_options: dict[str, Any], timeout_s:
     config = dict(storage_options.get("config_kwargs") or {})
     config.setdefault("retries", {"total_max_attempts": 1})
     if _botocore_has("response_checksum_validation"):  # (botocore 1.36 on: before, only where asked anyway)
-        # checksums are asked for by the source, for whole objects only (RemoteFiles._s3_request)
+        # checksums are asked for by the source, for whole objects only (S3Gets._request)
         config.setdefault("response_checksum_validation", "when_required")
     config.setdefault("connect_timeout", timeout_s)
     config.setdefault("read_timeout", timeout_s)
@@ -184,7 +184,7 @@ def _unredirected_session_cls() -> type | None:
     """aiobotocore's aiohttp session, its requests following no redirect, as botocore's own transport
     (urllib3, ``redirect=False``) follows none: aiohttp followed a store's 3xx to its ``Location``
     with the request signed for the first endpoint, and the refusal that came back (403) read as a
-    permission error. botocore then sees the 3xx itself (:func:`~epochcache.sources.remote.refused`).
+    permission error. botocore then sees the 3xx itself (:func:`~epochcache.sources.s3errors.refused`).
     None where aiobotocore lacks the hooks (a session class in its config): redirects are then
     followed, as before."""
     try:

@@ -18,8 +18,10 @@ from typing import Any
 
 from epochcache.errors import SourceError
 from epochcache.sources.base import RemoteObject
-from epochcache.sources.remote import RemoteFiles, credentials_error, etag_of, refused
+from epochcache.sources.remote import RemoteFiles
 from epochcache.sources.retry import describe
+from epochcache.sources.s3errors import credentials_error, refused
+from epochcache.sources.versions import etag_of
 
 log = logging.getLogger(__name__)
 

@@ -34,12 +34,12 @@ def test_a_range_is_written_into_place_exactly(remote: RemoteFiles, start: int, 
 def test_a_store_that_ignores_the_range_is_an_error_not_bytes_at_wrong_offsets(
     remote: RemoteFiles, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    request = remote._s3_request
+    request = remote._s3._request  # type: ignore[union-attr]
 
     def unranged(*args: Any) -> dict[str, Any]:  # injection: the store sends the whole object
         return {k: v for k, v in request(*args).items() if k != "Range"}
 
-    monkeypatch.setattr(remote, "_s3_request", unranged)
+    monkeypatch.setattr(remote._s3, "_request", unranged)
     ((obj,),) = scan(remote, [".bin"], "blob")
     out = memoryview(blank_image(1000))
     with pytest.raises(RangeMismatchError, match="ignored the Range and sent the whole object"):
