@@ -148,6 +148,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow  # (fresh processes: 4 s)
 def test_no_process_of_the_daemon_or_the_loader_imports_pandas(tmp_path: Path) -> None:
     fake = tmp_path / "site" / "pandas"
     fake.mkdir(parents=True)

@@ -56,6 +56,7 @@ def test_cli_import_does_not_import_torch() -> None:
 
 
 
+@pytest.mark.slow  # (a fresh process: 4 s)
 def test_trainer_import_does_not_import_the_remote_formats() -> None:
     code = ("import sys, epochcache.train.loader; "
             "print(sorted(m for m in ('s3fs', 'fsspec', 'epochcache.sync.daemon') if m in sys.modules))")

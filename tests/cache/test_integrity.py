@@ -115,6 +115,7 @@ def test_shards_are_checksummed_after_the_first_batch_once_per_host(
     ledger.close()
 
 
+@pytest.mark.slow  # (1.5 s of back-off)
 def test_disk_full_publishes_nothing_backs_off_and_resumes(
     remote: str, make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch
 ) -> None:

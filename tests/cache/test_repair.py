@@ -176,6 +176,7 @@ def test_quarantine_debris_is_repaired(layout: CacheLayout, ledger: Ledger) -> N
     assert sorted(p.name for p in layout.quarantine.iterdir()) == [b.filename]
 
 
+@pytest.mark.slow  # (2 s)
 def test_live_check_tolerates_the_shard_in_progress(layout: CacheLayout, ledger: Ledger) -> None:
     publish_shard(layout, ledger, "a", 1.0)
     layout.tmp_path("writing").write_bytes(b"partial")
@@ -185,6 +186,7 @@ def test_live_check_tolerates_the_shard_in_progress(layout: CacheLayout, ledger:
     assert check(layout, ledger, live=True) == Repairs(temp_files=1)
 
 
+@pytest.mark.slow  # (1.5 s)
 def test_live_check_waits_out_a_daemon_deleting_an_evicted_batch(layout: CacheLayout, ledger: Ledger) -> None:
     """Eviction drops a batch's records in one transaction, then deletes the files one by one, for longer
     than a moment on a large batch: a live check counts none of them while they keep going."""

@@ -250,6 +250,7 @@ def test_no_such_bucket_is_source_error(s3_options: dict[str, Any]) -> None:
         source.list_objects()
 
 
+@pytest.mark.slow  # (1.5 s)
 def test_every_request_sent_is_counted(s3: Any, bucket: str, s3_endpoint: str) -> None:
     """Through the proxy, half the requests are throttled or cut short after their headers: each request
     the proxy saw is a success, a counted retry or a counted give-up (botocore's and s3fs's own

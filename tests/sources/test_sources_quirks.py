@@ -192,6 +192,7 @@ def test_a_stalled_body_is_given_up_after_the_request_timeout(
     assert proxy.faults["stall"] == 1
 
 
+@pytest.mark.slow  # (1.5 s of trickle)
 def test_a_body_that_trickles_is_given_up_after_its_size_allows(
     s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
 ) -> None:

@@ -67,6 +67,7 @@ def _run_until(config: Config, done: Callable[[Ledger, list[Any]], bool], once: 
     return report, records
 
 
+@pytest.mark.slow  # (2 s)
 def test_the_mix_written_follows_the_weights_in_every_window_of_10000_samples(tmp_path: Path) -> None:
     small = _write(tmp_path / "a", files=8, rows_per_file=1024)  # 8192 rows, weight 1: ~6000 written
     big = _write(tmp_path / "b", files=20, rows_per_file=1024)  # 20480 rows, weight 3: ~18000 written

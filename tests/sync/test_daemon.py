@@ -156,6 +156,7 @@ def test_a_second_daemon_on_the_same_dir_is_refused(remote: str, make_config: Ca
     ledger.close()
 
 
+@pytest.mark.slow  # (a CLI process: 1.5 s)
 def test_sigterm_stops_the_cli_daemon_cleanly(remote: str, tmp_path: Path) -> None:
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump({
@@ -201,6 +202,7 @@ def test_a_changed_source_starts_its_own_order(tmp_path: Path, make_config: Call
     assert len(log.published) == 6 and all(key.startswith(str(tmp_path / "b")) for key in log.published)
 
 
+@pytest.mark.slow  # (a CLI process: 2 s)
 def test_verbose_logging_never_shows_credentials(
     s3: Any, bucket: str, s3_endpoint: str, tmp_path: Path
 ) -> None:

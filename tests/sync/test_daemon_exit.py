@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import fsspec
+import pytest
 from conftest import write_parquet_dataset
 
 _PROGRAM = textwrap.dedent("""
@@ -28,6 +29,7 @@ _PROGRAM = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # (a program's process: 2 s)
 def test_a_program_running_a_daemon_in_a_thread_exits_while_it_waits_for_room(tmp_path: Path) -> None:
     remote = str(tmp_path / "remote")
     write_parquet_dataset(fsspec.filesystem("file"), remote, files=24, rows_per_file=128, rows_per_group=32)

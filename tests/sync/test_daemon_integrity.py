@@ -244,6 +244,7 @@ def test_a_damaged_parquet_footer_among_nine_is_skipped_by_sync_once(
     ledger.close()
 
 
+@pytest.mark.slow  # (1.5 s)
 def test_a_ledger_that_keeps_filling_its_disk_does_not_stop_the_daemon(
     tmp_path: Path, make_config: Callable[..., Config]
 ) -> None:
@@ -349,6 +350,7 @@ def _sync_once_against(tmp_path: Path, port: int, *overrides: str) -> tuple[subp
     return done, time.monotonic() - started
 
 
+@pytest.mark.slow  # (a CLI process each: 2-3 s)
 @pytest.mark.parametrize("endpoint", ["black hole", "refused"])
 def test_sync_once_against_an_unreachable_endpoint_ends_with_one_line_naming_the_host(
     tmp_path: Path, black_hole: int, endpoint: str
@@ -406,7 +408,7 @@ def test_no_thread_of_the_run_outlives_it_when_the_budget_fills_mid_window(
     assert left == []
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_sync_once_never_aborts_at_exit_with_many_reads_in_flight(
     tmp_path: Path, s3: Any, bucket: str, s3_options: dict[str, Any]
 ) -> None:

@@ -161,6 +161,7 @@ def _s3_config(tmp_path: Path, url: str, s3_endpoint: str) -> Path:
     return config_path
 
 
+@pytest.mark.slow  # (a CLI process: 2 s)
 def test_a_permanent_error_stops_with_one_line_naming_the_url(s3_endpoint: str, tmp_path: Path) -> None:
     url = "s3://no-such-bucket-epochcache/data"
     code, output = _sync_once(_s3_config(tmp_path, url, s3_endpoint))
@@ -171,6 +172,7 @@ def test_a_permanent_error_stops_with_one_line_naming_the_url(s3_endpoint: str, 
     assert "very-secret-value-0002" not in output and "AKIAEXAMPLEKEYID0002" not in output
 
 
+@pytest.mark.slow  # (a CLI process: 2-3 s)
 def test_a_corrupt_object_is_skipped_with_lines_naming_it(
     s3: Any, bucket: str, s3_endpoint: str, tmp_path: Path
 ) -> None:

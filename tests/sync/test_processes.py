@@ -82,7 +82,7 @@ def _bytes_under(root: Path) -> int:
     return sum(sizes.values())
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_kill_9_daemon_30_times(tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:
     files, rows = 32, 256
     config = _config(tmp_path, files, rows, 16, max_bytes="50MB", shard_bytes="64KiB",
@@ -124,6 +124,7 @@ def test_kill_9_daemon_30_times(tmp_path: Path, procs: list[subprocess.Popen[Any
     ledger.close()
 
 
+@pytest.mark.slow  # (daemon processes: 2 s each)
 @pytest.mark.parametrize("where, found", [("write", Repairs(temp_files=1)), ("publish", Repairs(adopted=1))])
 def test_kill_9_mid_write_and_before_publish(
     tmp_path: Path, procs: list[subprocess.Popen[Any]], where: str, found: Repairs

@@ -160,6 +160,7 @@ def _cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None)
                           timeout=120, env=full_env, cwd=cwd)
 
 
+@pytest.mark.slow  # (CLI processes: 2 s)
 def test_help_points_to_the_reference_and_env_vars_without_markup() -> None:
     for args in (["--help"], ["sync", "--help"], ["clear", "--help"]):
         result = _cli(*args)

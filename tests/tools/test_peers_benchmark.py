@@ -20,7 +20,7 @@ def _peers(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(PEERS), *args], capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_epochcache_alone_end_to_end_every_epoch_exact_and_within_the_budget(tmp_path: Path) -> None:
     out = tmp_path / "peers.json"
     run = _peers("--systems", "epochcache", "--count", "300", "--size", "1024", "--rounds", "1",

@@ -31,6 +31,7 @@ def _cache_with_epochs(tmp_path: Path, epochs: int) -> Path:
     return config
 
 
+@pytest.mark.slow  # (matplotlib: 2-3 s)
 def test_plot_draws_every_epoch_into_an_image(tmp_path: Path, capsys) -> None:
     config = _cache_with_epochs(tmp_path, 3)
     out = tmp_path / "cache.png"

@@ -71,6 +71,7 @@ def test_a_batch_comes_in_the_order_asked_whatever_the_shards_and_open_maps(tmp_
         _check_rows(batch, wanted)
 
 
+@pytest.mark.slow  # (a fresh process: 4 s)
 def test_a_first_batch_in_a_fresh_process_imports_no_numpy_ma(tmp_path: Path) -> None:
     # numpy 2.x's np.unique imports numpy.ma on its first call: 20 ms measured, in each worker and on
     # the way to an epoch's first batch (the shard numbers are deduplicated by held.distinct instead)
@@ -223,7 +224,7 @@ def test_unreadable_shard_rows_are_left_out_and_reported(tmp_path: Path, kept: i
     assert told == [(str(paths[1]), ShardCorruptError)], "reported once"
 
 
-@pytest.mark.parametrize(("shards", "max_open"), [(1_000, 32), pytest.param(100_000, 1024, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("shards", "max_open"), [(1_000, 32), pytest.param(100_000, 1024, marks=pytest.mark.soak)])
 def test_an_epoch_over_many_tiny_shards_keeps_few_maps_open(tmp_path: Path, shards: int, max_open: int) -> None:
     # issue 10: one map per shard failed at 70,000 shards (vm.max_map_count is 65,530 by default)
     table = pa.table({"x": pa.array([0], pa.int64())})

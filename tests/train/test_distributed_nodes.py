@@ -39,6 +39,7 @@ def _sync_nodes(tmp_path: Path, url: str, endpoint: str, splits: list[tuple[int,
     return caches
 
 
+@pytest.mark.slow  # (node processes: 3-4 s)
 def test_two_nodes_daemons_fetch_the_remote_once_between_them(
     s3: Any, bucket: str, s3_endpoint: str, tmp_path: Path,
 ) -> None:

@@ -61,7 +61,7 @@ def _seen(record: dict[str, Any], epoch: int) -> list[int]:
 # 3 x 16 and one sample over, which no rank can take without the others getting a batch fewer: the
 # README says such a remainder (fewer samples than ranks) is left out.
 @pytest.mark.parametrize(("loader", "batches", "seen"), [
-    ({}, 7, 303), pytest.param({"drop_last": True}, 6, 288, marks=pytest.mark.slow),
+    pytest.param({}, 7, 303, marks=pytest.mark.slow), pytest.param({"drop_last": True}, 6, 288, marks=pytest.mark.slow),
     pytest.param({"epoch_samples": 97}, 2, 96, marks=pytest.mark.slow),
     pytest.param({"num_workers": 2}, 7, 303, marks=pytest.mark.slow),
 ], ids=["plain", "drop_last", "epoch_samples", "workers"])
@@ -96,6 +96,7 @@ def test_three_nodes_of_one_rank_and_different_sizes_stop_together(
         assert all(len(set(_seen(records[r], 0))) == batches * BATCH for r in (0, 1))
 
 
+@pytest.mark.slow  # (3 rank processes: 5-7 s)
 def test_a_rank_killed_mid_epoch_fails_the_others_at_once_with_a_loader_error(
     tmp_path: Path, node_cache: Callable[[str, int, int], str],
 ) -> None:
@@ -185,6 +186,7 @@ def test_ranks_leaving_each_epoch_early_after_preparing_the_next_at_different_po
         assert not set(_seen(records[0], epoch)) & set(_seen(records[1], epoch))
 
 
+@pytest.mark.slow  # (rank processes: 4-6 s)
 def test_a_shard_quarantined_on_one_node_rebuilds_the_prepared_epoch_on_every_rank(
     tmp_path: Path, node_cache: Callable[[str, int, int], str],
 ) -> None:

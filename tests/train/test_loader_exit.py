@@ -24,6 +24,8 @@ from epochcache.cache.layout import CacheLayout
 from epochcache.errors import LoaderError
 from epochcache.train.orphans import end_with_parent
 
+pytestmark = pytest.mark.slow  # (each a trainer process: 3-5 s)
+
 SCRIPT = str(Path(__file__).parents[1] / "unclosed_proc.py")
 
 

@@ -129,8 +129,8 @@ class _ShardResidence:
         return {**batch, "resident": torch.tensor(resident)}
 
 
-# (with workers: forked processes, several seconds; plain pytest runs the thread's case)
-@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # (5-7 s each, and forked workers)
+@pytest.mark.parametrize("workers", [0, 2])
 def test_bounded_mapped_pages_stay_near_the_bound_and_give_the_same_batches(
     synced_cache: Callable[..., Config], workers: int
 ) -> None:
@@ -156,6 +156,7 @@ def test_bounded_mapped_pages_stay_near_the_bound_and_give_the_same_batches(
         assert all(torch.equal(a[k], b[k]) for k in a if k != "resident"), "the same rows, byte for byte"
 
 
+@pytest.mark.slow  # (3-4 s)
 def test_the_batch_thread_lets_a_batchs_pages_go_once_it_is_built(synced_cache: Callable[..., Config]) -> None:
     config = synced_cache(files=4, rows_per_file=64, rows_per_group=32, shard_bytes="64KiB")
     shards = Path(config.cache.dir) / "shards"
