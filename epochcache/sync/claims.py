@@ -33,8 +33,10 @@ class Claims:
         self.claimed.add(key)
 
     def release(self, key: str) -> None:
-        """The unit's read failed or was dropped: it may be read again."""
+        """The unit's read failed or was dropped: it may be read again (if it was outdated, the next
+        claim of it is of the new version)."""
         self.claimed.discard(key)
+        self.outdated.discard(key)
 
     def published(self, units: Iterable[str]) -> None:
         """A shard holding ``units`` is in the ledger: they are cached, no longer on their way."""
