@@ -35,6 +35,19 @@ logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's per-request li
 
 
 _SESSION_ENDPOINTS: set[str] = set()  # the moto server's, once started (s3_endpoint)
+_SESSION_STARTED = time.monotonic()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--budget-s", type=float, default=None,
+                     help="leave out (skip, saying so) the tests that would start once the session has run this many "
+                          "seconds: .ci/run gives the slow tests what is left of its 10 minutes")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    budget = item.config.getoption("--budget-s")
+    if budget is not None and time.monotonic() - _SESSION_STARTED > budget:
+        pytest.skip(f"left out: this session's --budget-s {budget:.0f} is spent (run it without --budget-s)")
 
 
 @pytest.fixture(autouse=True, scope="session")
