@@ -23,6 +23,7 @@ as for a store whose plain ETags are no MD5s.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import logging
 import re
@@ -55,6 +56,7 @@ def _crc32c(data: memoryview) -> bytes:
     return int(checksums.crc32c(data)).to_bytes(4, "big")
 
 
+@functools.cache
 def _part_hashes() -> dict[str, Callable[[memoryview], bytes]]:
     """The digest of one part (raw bytes, as a composite concatenates them) per checksum name."""
     from botocore.compat import HAS_CRT
