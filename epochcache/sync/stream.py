@@ -18,9 +18,8 @@ class Stream:
     """One configured source as the daemon walks it.
 
     ``totals``: objects of this node's share of each pass listed so far (for progress);
-    ``rows_per_byte``: seen in this source's reads so far (``rows_read`` over ``bytes_read``), to
-    estimate the rows of units whose metadata does not tell them (Arrow IPC, WebDataset);
-    ``estimates``: those estimates for units not read yet;
+    ``rows_read`` and ``bytes_read``: of the units read whose metadata did not tell their rows (Arrow
+    IPC, WebDataset), for :attr:`rows_per_byte`; ``estimates``: its estimates for units not read yet;
     ``unaccounted``: rows read minus rows estimated, for the pick to count next; ``idle_until``:
     while every unit of its last pass was cached, it gives no unit until then (monotonic seconds).
     ``node_bytes``, ``objects_counted``, ``rows_counted``: for :meth:`remote_rows`.
@@ -31,8 +30,7 @@ class Stream:
     slicer: Slicer = field(default_factory=Slicer)  # this pass's row slices
     mix: int = 8  # this pass's objects per mixing window
     totals: dict[int, int] = field(default_factory=dict)
-    rows_per_byte: float | None = None
-    rows_read: int = 0  # rows and bytes of the units read whose metadata did not tell their rows
+    rows_read: int = 0
     bytes_read: int = 0
     estimates: dict[str, int] = field(default_factory=dict)
     unaccounted: int = 0
@@ -46,6 +44,12 @@ class Stream:
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def rows_per_byte(self) -> float | None:
+        """Rows per byte over every unit read whose metadata did not tell its rows (units differ: a
+        WebDataset tar's from the next); None before the first."""
+        return self.rows_read / self.bytes_read if self.bytes_read else None
 
     def read(self, unit: Unit) -> pa.Table:
         """All the unit's rows, as read (its slice is cut by :class:`~epochcache.sync.intake.Intake`);
@@ -103,7 +107,6 @@ class Stream:
         error goes to ``unaccounted``."""
         if unit.rows is None:
             self.unaccounted += kept - self.estimates.pop(unit.key, kept)
-            if unit.nbytes > 0:  # (over every unit read: units differ, a WebDataset tar's from the next)
+            if unit.nbytes > 0:
                 self.rows_read += whole.num_rows
                 self.bytes_read += unit.nbytes
-                self.rows_per_byte = self.rows_read / self.bytes_read

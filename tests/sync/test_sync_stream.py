@@ -12,7 +12,7 @@ from epochcache.sync.stream import Stream
 def test_remote_rows_come_from_footers_else_from_bytes() -> None:
     stream = Stream(SourceConfig(url="/remote"), source=None)  # type: ignore[arg-type]  # not read here
     assert stream.remote_rows(0) is None, "nothing known yet"
-    stream.totals[0], stream.node_bytes, stream.rows_per_byte = 10, 1000, 0.5
+    stream.totals[0], stream.node_bytes, stream.rows_read, stream.bytes_read = 10, 1000, 1, 2
     assert stream.remote_rows(0) == 500, "no metadata told rows (Arrow IPC, tar): rows per byte read"
     obj = RemoteObject("/remote/a.parquet", 200)
     stream.count_rows([Unit(obj, 0, 30, 0, 100), Unit(obj, 1, 10, 30, 100)])
