@@ -44,7 +44,7 @@ def scan(
         if remote.is_s3:
             pages = _s3_objects(remote, page_size)
         elif remote.fs.isfile(remote.root):
-            pages = iter([[_one(remote, remote.fs.info(remote.root))]])
+            pages = iter([_one(remote, remote.fs.info(remote.root))])
         else:
             pages = _find_pages(remote, page_size)
         for page in pages:
@@ -69,13 +69,37 @@ def scan(
 
 def _find_pages(remote: RemoteFiles, page_size: int) -> Iterator[list[RemoteObject]]:
     found = remote.fs.find(remote.root, detail=True)
-    objects = sorted((RemoteObject(path, int(info["size"]), etag_of(info)) for path, info in found.items()
-                      if info.get("type", "file") == "file"), key=lambda o: o.path)
+    objects = sorted(_objects(remote, [(path, info.get("size"), etag_of(info)) for path, info in found.items()
+                                       if info.get("type", "file") == "file"]), key=lambda o: o.path)
     for start in range(0, len(objects), page_size):
         yield objects[start : start + page_size]
 
-def _one(remote: RemoteFiles, info: dict[str, Any]) -> RemoteObject:
-    return RemoteObject(remote.root, int(info["size"]), etag_of(info))
+def _one(remote: RemoteFiles, info: dict[str, Any]) -> list[RemoteObject]:
+    return _objects(remote, [(remote.root, info.get("size"), etag_of(info))])
+
+def _objects(remote: RemoteFiles, entries: Sequence[tuple[str, Any, str | None]]) -> list[RemoteObject]:
+    """The listing's ``(path, size, etag)`` entries as objects, less those whose size is not a count of
+    bytes (missing, negative, not a number: a store's bad entry, which no ranged read could make sense
+    of), left out with one warning per page naming the first."""
+    objects, bad = [], []
+    for path, size, etag in entries:
+        count = size if isinstance(size, int) and not isinstance(size, bool) else _integer(size)
+        if count is None or count < 0:
+            bad.append((path, size))
+        else:
+            objects.append(RemoteObject(path, count, etag))
+    if bad:
+        log.warning("%s: left out %d listed object(s) whose size is not a byte count, e.g. %s (size %r): "
+                    "the store's listing is damaged (each pass lists them again)",
+                    remote.url, len(bad), *bad[0])
+    return objects
+
+def _integer(value: Any) -> int | None:
+    """``value`` as an integer where it is one written out (``"123"``); None otherwise."""
+    try:
+        return int(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 def _s3_objects(remote: RemoteFiles, page_size: int) -> Iterator[list[RemoteObject]]:
     """The prefix's pages; a URL naming one object (nothing under it as a prefix) is that object.
@@ -89,7 +113,7 @@ def _s3_objects(remote: RemoteFiles, page_size: int) -> Iterator[list[RemoteObje
         with contextlib.suppress(FileNotFoundError):
             info = remote.fs.info(remote.root)
             if info.get("type") == "file":
-                yield [_one(remote, info)]
+                yield _one(remote, info)
 
 def _s3_pages(remote: RemoteFiles, page_size: int) -> Iterator[list[RemoteObject]]:
     """ListObjects under the URL's prefix, ``page_size`` keys asked for a page (a page of more is cut).
@@ -121,8 +145,8 @@ def _s3_pages(remote: RemoteFiles, page_size: int) -> Iterator[list[RemoteObject
             )
         last = max([last, *(e["Key"] for e in entries)])
         # A key ending in "/" is a folder marker (the S3 console makes them), never data.
-        objects = [RemoteObject(f"{bucket}/{e['Key']}", int(e["Size"]), etag_of(e))
-                   for e in entries if not e["Key"].endswith("/")]
+        objects = _objects(remote, [(f"{bucket}/{e['Key']}", e.get("Size"), etag_of(e))
+                                    for e in entries if not e["Key"].endswith("/")])
         for start in range(0, len(objects), page_size):
             yield objects[start:start + page_size]
         if not truncated:

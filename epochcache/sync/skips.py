@@ -25,6 +25,7 @@ from epochcache.errors import (
 )
 from epochcache.sources import RemoteObject, Unit
 from epochcache.sources.retry import Retrier, describe
+from epochcache.sources.s3errors import status_of
 from epochcache.sync.claims import Claims
 from epochcache.sync.notes import note
 from epochcache.sync.report import SyncReport
@@ -65,7 +66,7 @@ class SkipBook:
         self.report.units_skipped += 1
         self._unread.add(key)
         note(self.ledger.counters.incr, "units_skipped")
-        self.vitals.failed(_what(exc), f"{key}: {describe(exc)}")
+        self.vitals.failed(what_failed(exc), f"{key}: {describe(exc)}")
         note(self.ledger.daemon.set_skipped, key, {"path": obj.path, "size": obj.size, "etag": obj.etag,
                                                    "index": index, "pass": pass_, "stream": stream.name,
                                                    "error": describe(exc)})
@@ -100,7 +101,7 @@ class SkipBook:
                 note(self.ledger.counters.incr, "objects_missing")
             except (FetchFailedError, CorruptObjectError) as exc:
                 log.warning("%s failed again at the end of pass %d: %s", key, pass_, describe(exc))
-                self.vitals.failed(_what(exc), f"{key} failed again at the pass end: {describe(exc)}")
+                self.vitals.failed(what_failed(exc), f"{key} failed again at the pass end: {describe(exc)}")
                 self._unread.add(key)
                 note(self.ledger.daemon.set_skipped, key, {**info, "final": True, "error": describe(exc)})
                 continue
@@ -108,12 +109,22 @@ class SkipBook:
             note(self.ledger.daemon.drop_skipped, key)
 
 
-def _what(exc: Exception) -> str:
-    """What a skip says of the remote, for the daemon's last error."""
+def what_failed(exc: Exception) -> str:
+    """What a read or listing given up says of the remote, for the daemon's last error: a store that
+    answered with a server error (after the retries) is failing, one that never answered unreachable."""
     if isinstance(exc, ObjectDeniedError):
         return "object refused"
     if isinstance(exc, FetchFailedError):
-        return "remote unreachable"
+        status = next((status_of(e) for e in _causes(exc) if status_of(e) is not None), None)
+        return "remote unreachable" if status is None else f"remote failing (HTTP {status})"
     if isinstance(exc, OversizeUnitError):
         return "unit too large"
     return "corrupt object" if isinstance(exc, CorruptObjectError) else "object missing"
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the errors it was raised from, outermost first."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        yield seen
+        seen = seen.__cause__

@@ -53,14 +53,15 @@ class Stream:
 
     def read(self, unit: Unit) -> pa.Table:
         """All the unit's rows, as read (its slice is cut by :class:`~epochcache.sync.intake.Intake`);
-        raises :class:`CorruptObjectError` for a unit of 0 rows (skipped: a shard never holds 0 rows),
+        raises :class:`CorruptObjectError` for a unit of 0 rows whose metadata did not say so (skipped;
+        one it says is empty, a Parquet row group of 0 rows, is read as such: nothing to cache),
         :class:`OversizeUnitError` for one over ``largest_unit`` bytes: by its metadata's size before
         it is fetched when every column is read (with ``columns``, the size a source knows beforehand may
         count what is not kept: a WebDataset tar's fields), else by its rows once read."""
         if self.largest_unit is not None and self.config.columns is None and unit.nbytes > self.largest_unit:
             raise self._oversize(unit, unit.nbytes, "by its metadata")
         table = self.source.read(unit)
-        if table.num_rows == 0:
+        if table.num_rows == 0 and unit.rows != 0:
             raise CorruptObjectError(f"{unit.key} holds 0 rows")
         if self.largest_unit is not None and table.nbytes > self.largest_unit:
             raise self._oversize(unit, table.nbytes, "read")

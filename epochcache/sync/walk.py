@@ -30,7 +30,7 @@ from epochcache.sync.listing import PagedListing, store_listing
 from epochcache.sync.mixing import MixCursor, pick
 from epochcache.sync.notes import until_written
 from epochcache.sync.sampler import Cursor, Sampler
-from epochcache.sync.skips import SKIPPABLE, SkipBook
+from epochcache.sync.skips import SKIPPABLE, SkipBook, what_failed
 from epochcache.sync.slicing import Slicer, cached_per_listed, pass_shape
 from epochcache.sync.stream import Stream
 from epochcache.sync.vitals import Vitals
@@ -224,7 +224,7 @@ class Walk:
                 what = f"listing of {stream.source.url}"
                 return until_written(lambda: self.retrier.call(self._list, stream, pass_, what=what), self.stop, what)
             except FetchFailedError as exc:
-                self.vitals.failed("remote unreachable", describe(exc))
+                self.vitals.failed(what_failed(exc), describe(exc))
                 if self.once:
                     raise
                 log.warning("%s; trying again in %.0fs", exc, self.config.sampler.backoff_max_s)

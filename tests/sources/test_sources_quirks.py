@@ -458,3 +458,24 @@ def test_a_store_that_answers_the_first_page_again_is_a_source_error_not_an_endl
     assert listed == [f"{bucket}/again/k{i}.bin" for i in range(3)]
     assert proxy.listings == 2
     assert proxy.faults["listing-ignored"] == 1
+
+
+def _damage_sizes(body: bytes) -> bytes:
+    """k1 listed with a negative size, k4 with none."""
+    body = re.sub(rb"(<Key>[^<]*/k1\.bin</Key>(?:(?!</Contents>).)*<Size>)\d+", rb"\g<1>-533", body, flags=re.S)
+    return re.sub(rb"(<Key>[^<]*/k4\.bin</Key>(?:(?!</Contents>).)*)<Size>\d+</Size>", rb"\1", body, flags=re.S)
+
+
+def test_listed_objects_whose_size_is_not_a_byte_count_are_left_out_with_a_warning(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A damaged listing entry (a negative size, none) is never read with a nonsense range: it is
+    left out of the listing, one warning per page names it, and the objects around it are listed."""
+    proxy = quirky(listing_body=_damage_sizes)
+    with caplog.at_level(logging.WARNING, logger="epochcache.sources.scan"):
+        listed = [path for page in _paged(s3, bucket, proxy, "sizes") for path in page]
+    assert listed == [f"{bucket}/sizes/k{i}.bin" for i in (0, 2, 3, 5, 6)]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2, warnings
+    assert "left out 1 listed object(s) whose size is not a byte count" in warnings[0]
+    assert "sizes/k1.bin (size -533)" in warnings[0] and "sizes/k4.bin (size None)" in warnings[1]

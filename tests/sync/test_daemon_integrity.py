@@ -200,6 +200,30 @@ def test_zero_row_units_are_skipped_and_null_rows_dropped(
     ledger.close()
 
 
+def test_row_groups_whose_metadata_says_they_are_empty_are_read_as_empty_not_skipped(
+    tmp_path: Path, make_config: Callable[..., Config]
+) -> None:
+    """pyarrow (and Spark) write a Parquet file of an empty table as one row group of 0 rows: valid,
+    nothing to cache, never a corrupt object retried and reported at every pass end."""
+    remote, _ = _remote(tmp_path, files=2)
+    rows = pq.read_table(f"{remote}/part-001.parquet")  # ids 64..127
+    Path(f"{remote}/part-001.parquet").unlink()
+    pq.write_table(rows.slice(0, 0), f"{remote}/part-007.parquet")
+    with pq.ParquetWriter(f"{remote}/part-008.parquet", rows.schema) as writer:
+        for start, length in [(0, 3), (3, 0), (3, 2)]:  # a row group of 0 rows between two
+            writer.write_table(rows.slice(start, length))
+    assert pq.ParquetFile(f"{remote}/part-007.parquet").metadata.row_group(0).num_rows == 0
+    assert pq.ParquetFile(f"{remote}/part-008.parquet").metadata.row_group(1).num_rows == 0
+    config = make_config(remote, **ROOMY)
+    report = SyncDaemon(config, progress=False).run(once=True)
+
+    assert sorted(cached_ids(config.cache.dir)) == [*range(64), *range(64, 69)]
+    assert report.units_skipped == 0 and report.units_unread == 0
+    ledger = _ledger(config)
+    assert ledger.daemon.skipped() == {} and _state(ledger)["last_error"] is None
+    ledger.close()
+
+
 def test_rows_with_a_null_item_inside_a_fixed_size_list_are_dropped_not_trained_on(
     tmp_path: Path, make_config: Callable[..., Config]
 ) -> None:

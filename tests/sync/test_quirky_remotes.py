@@ -17,7 +17,7 @@ import pytest
 from conftest import UnitLog, make_table
 from faultproxy import FaultProxy
 
-from epochcache import Ledger, SourceError, SyncDaemon
+from epochcache import FetchFailedError, Ledger, SourceError, SyncDaemon
 from epochcache.cache.layout import CacheLayout
 from epochcache.cache.shards import verify_shard
 from epochcache.config import Config
@@ -201,3 +201,21 @@ def test_a_bucket_deleted_mid_pass_stops_the_daemon_naming_it(
     daemon.on_fetch = lambda unit: s3.rm(name, recursive=True) if s3.exists(name) else None
     with pytest.raises(SourceError, match=rf"cannot read s3://{name}/data/part-.\.parquet: its bucket no longer"):
         daemon.run(once=True)
+
+
+def test_a_listing_the_store_keeps_failing_with_a_server_error_is_shown_as_failing_not_unreachable(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], make_config: Callable[..., Config]
+) -> None:
+    """A store that answers every listing with a 500 is reachable: status says it is failing, and how."""
+    s3.pipe(f"{bucket}/failing/part-0.parquet", _parquet(0))
+    proxy = quirky(refuse_listing=(500, "InternalError"))
+    config = make_config(f"s3://{bucket}/failing", **ROOMY, **_via(proxy), **{**FAST, "sampler.max_attempts": 2})
+    with pytest.raises(FetchFailedError, match="still failing after retries"):
+        SyncDaemon(config, progress=False).run(once=True)
+    ledger = Ledger(CacheLayout(Path(config.cache.dir)).ledger)
+    try:
+        error = (ledger.daemon.status() or {}).get("last_error")
+    finally:
+        ledger.close()
+    assert error is not None and error.startswith("remote failing (HTTP 500) since "), error
+    assert f"listing of s3://{bucket}/failing" in error
