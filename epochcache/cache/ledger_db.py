@@ -48,7 +48,7 @@ class LedgerDatabase:
         self.path = path
         self._connect = connect
         self._lock = threading.RLock()
-        self._con = open_database(path, connect)
+        self._con = self._open()
         self._pid = os.getpid()
         self._key: str | None = str(path.resolve())
         with _OPEN_HERE_LOCK:
@@ -57,9 +57,15 @@ class LedgerDatabase:
     def connection(self) -> sqlite3.Connection:
         """This process's connection (use it inside :meth:`read` or :meth:`write`)."""
         if os.getpid() != self._pid:  # a forked child must not use its parent's SQLite connection
-            self._con = open_database(self.path, self._connect)
+            self._con = self._open()
             self._pid = os.getpid()
         return self._con
+
+    def _open(self) -> sqlite3.Connection:
+        """A connection to the database, with :func:`unit_hash` as an SQL function of the same name."""
+        con = open_database(self.path, self._connect)
+        con.create_function("unit_hash", 1, unit_hash, deterministic=True)
+        return con
 
     @contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
@@ -163,12 +169,11 @@ def unit_hash(key: str) -> int:
 
 
 def delete_shards(con: sqlite3.Connection, shard_ids: Sequence[str]) -> None:
-    """Remove the records of ``shard_ids`` (those published) and their units from the index: one
-    statement finds them all (an index lookup per id), so inserting a rebuild's 100,000 records costs
-    no query per record to learn that none was there, and one deletes them (a statement a record: 1.38 s
-    of an eviction batch of 100,000, against 0.21 s)."""
-    rows = con.execute("SELECT n, units FROM shards WHERE id IN (SELECT value FROM json_each(?))",
-                       (json.dumps(list(shard_ids)),)).fetchall()
-    con.executemany("DELETE FROM units WHERE h = ? AND shard = ?",
-                    ((unit_hash(u), n) for n, units in rows for u in json.loads(units)))
-    con.execute("DELETE FROM shards WHERE n IN (SELECT value FROM json_each(?))", (json.dumps([n for n, _ in rows]),))
+    """Remove the records of ``shard_ids`` (those published) and their units from the index, in two
+    statements whatever their number (``con`` is a :class:`LedgerDatabase`'s: ``unit_hash`` in SQL),
+    so inserting a rebuild's 100,000 records costs no query per record to learn that none was there.
+    (A statement per unit cost 2.7 s of an eviction batch of 90,000 shards, one unit each; 0.6 s so.)"""
+    ids = json.dumps(list(shard_ids))
+    con.execute("DELETE FROM units WHERE (h, shard) IN (SELECT unit_hash(unit.value), s.n FROM shards AS s, "
+                "json_each(s.units) AS unit WHERE s.id IN (SELECT value FROM json_each(?)))", (ids,))
+    con.execute("DELETE FROM shards WHERE id IN (SELECT value FROM json_each(?))", (ids,))

@@ -579,6 +579,15 @@ def test_each_epoch_run_is_recorded_with_distinct_samples_at_unit_level(ledger: 
     assert epochs[0]["fetched_bytes"] == 500 and epochs[1]["cache_bytes"] == S and ledger.leases.epochs()[0]["n"] == 3
 
 
+def test_a_unit_in_two_shards_new_to_one_epoch_counts_once_at_its_first_shards_share(ledger: Ledger) -> None:
+    """Both shards untrained when the epoch is recorded: a#1 counts at s1's 50 rows a unit, not s2's 30."""
+    ledger.publish(dataclasses.replace(record(1), units=("a#0", "a#1")))  # 100 rows, 2 units
+    ledger.publish(dataclasses.replace(record(2, rows=60), units=("a#1", "b#0")))  # 30 rows a unit
+    _epoch(ledger, 160)
+    _epoch(ledger, 160)  # nothing new to training
+    assert [e["distinct_trained"] for e in ledger.leases.epochs(last=2)] == [130, 130]
+
+
 def test_the_version_changes_with_another_connections_commit_only(tmp_path: Path) -> None:
     ledger, other = Ledger(tmp_path / "ledger"), Ledger(tmp_path / "ledger")
     first = ledger.db.version()
