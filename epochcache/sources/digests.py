@@ -16,8 +16,11 @@ rclone, the Go SDK), so the size is found by trying, in turn, the one that last 
 source, the common sizes, whole MiBs and the even split that give the reply's count,
 :data:`MAX_TRIES` hash passes at most. None matching means damage in transit or parts of sizes not
 tried: the caller tells them apart by a second read (damage does not repeat itself bit for bit)
-and, if the two agree, gives that kind of digest up for the source (:meth:`WholeDigests.give_up`),
-as for a store whose plain ETags are no MD5s.
+and, if the two agree, gives that kind of digest up for the source (:meth:`WholeDigests.agreed`).
+Plain ETags are the exception: two reads agreeing against an MD5 mean bytes damaged at rest once
+another object of the source matched its MD5 (the object is corrupt; checking goes on), and a store
+whose ETags are no MD5s only once a second object disagrees so without any having matched (until
+then the object is corrupt too: skipped, it is read again at the pass end).
 """
 
 from __future__ import annotations
@@ -148,11 +151,14 @@ class Verdict(NamedTuple):
 
 class WholeDigests:
     """One source's checks of whole objects against their digests, and what it has learnt of its
-    store: the part size that last matched a multipart digest, and the kinds of digest given up
-    (two reads agreed with each other, not with it)."""
+    store: the part size that last matched a multipart digest, whether a plain ETag has matched its
+    object's MD5, the objects whose reads agreed against their plain ETag, and the kinds of digest
+    given up."""
 
     def __init__(self) -> None:
         self._part_size: int | None = None
+        self._md5_matched = False
+        self._md5_disagreed: set[str] = set()
         self._given_up: set[str] = set()
 
     def check(self, data: bytes, reply: dict[str, Any]) -> Verdict:
@@ -164,6 +170,7 @@ class WholeDigests:
                 continue
             if claim.parts == 0:
                 matched = hashlib.md5(view).hexdigest() == claim.digest
+                self._md5_matched = self._md5_matched or matched
             else:
                 hashes = _part_hashes()
                 part = next((part for part in part_sizes(len(data), claim.parts, self._part_size)
@@ -174,16 +181,26 @@ class WholeDigests:
             return Verdict(matched, None if matched else claim)
         return Verdict(False, None)
 
-    def give_up(self, claim: Claim, url: str, under: str) -> None:
-        """Stop checking digests of ``claim``'s kind for this source: two reads of ``url`` agreed with
-        each other but not with ``claim`` (said once, as a warning naming the source ``under``)."""
+    def agreed(self, claim: Claim, url: str, under: str) -> str | None:
+        """Two reads of ``url`` agreed with each other but not with ``claim``: why its bytes are corrupt,
+        or None where ``claim``'s kind is given up for this source (said once, as a warning naming the
+        source ``under``) and the bytes are taken. See the module docstring."""
         if claim.kind in self._given_up:
-            return
+            return None
+        if claim.parts == 0:
+            if self._md5_matched:
+                return (f"two reads agree, not with its {claim}, which other objects under {under} match: "
+                        "damaged at rest")
+            self._md5_disagreed.add(url)
+            if len(self._md5_disagreed) < 2:
+                return (f"two reads agree, not with its {claim}: damaged at rest, or the store's ETags are no "
+                        "MD5s (told once another object matches its ETag or disagrees so too)")
         self._given_up.add(claim.kind)
         why = "this store's ETags are not MD5s" if claim.parts == 0 else \
             "its parts are of sizes epochcache does not guess (not one size but the last, or none of the common sizes)"
         log.warning("%s: two reads agree but not with its %s: %s, so whole objects under %s are not checked by "
                     "their %s from now on", url, claim, why, under, claim.kind)
+        return None
 
 
 def unchecked_checksum(reply: dict[str, Any]) -> str | None:

@@ -121,9 +121,15 @@ class RemoteFiles:
     def fetch_whole(self, obj: RemoteObject) -> bytes:
         """All bytes of the listed version of ``obj``, checked against what the store offers (its ETag,
         an ``x-amz-checksum-*``: :mod:`epochcache.sources.s3gets`); one byte past the listed size is
-        asked for, so an object that grew since listing is seen (:class:`ObjectMissingError`), never cut."""
+        asked for, so an object that grew since listing is seen (:class:`ObjectMissingError`), never cut.
+        Over S3, more bytes of the very version listed (its listed ETag pinned the read) mean a listing
+        that misstates the size: :class:`CorruptObjectError` (skipped with that reason, reported), as
+        the next listing would only say the same."""
         data = self._read(obj, 0, obj.size + 1, whole=True)
         if len(data) > obj.size:
+            if self._s3 is not None and self._s3.pins.listed_etag(obj) is not None:
+                raise CorruptObjectError(f"{self._url(obj.path)}: the store serves more than the {obj.size} bytes "
+                                         f"its listing gives this version (ETag {obj.etag}): its listing is wrong")
             raise changed(self._url(obj.path), f"it is now over {obj.size} bytes")
         if len(data) < obj.size:
             raise TruncatedReadError(f"{self._url(obj.path)}: got {len(data)} of {obj.size} bytes")

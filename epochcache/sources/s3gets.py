@@ -76,7 +76,9 @@ class S3Gets:
                 if again != data:
                     raise CorruptObjectError(f"{self._url(obj.path)}: its bytes do not match its {failed}: "
                                              "damaged in transit")
-                self._digests.give_up(failed, self._url(obj.path), self.url)
+                corrupt = self._digests.agreed(failed, self._url(obj.path), self.url)
+                if corrupt is not None:
+                    raise CorruptObjectError(f"{self._url(obj.path)}: {corrupt}")
         if whole and not checked and not self._said_unchecked and (name := unchecked_checksum(reply)):
             self._said_unchecked = True
             log.warning("%s: its only checksum is %s: whole objects under %s like it are read unchecked",

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 from botocore.compat import HAS_CRT
 from conftest import make_table
+from faultproxy import FaultProxy
 
 from epochcache.errors import CorruptObjectError, FetchFailedError, ObjectMissingError, SourceError
 from epochcache.sources import ArrowSource, ObjectSource, ParquetSource, WebDatasetSource
@@ -255,7 +256,6 @@ def test_every_request_sent_is_counted(s3: Any, bucket: str, s3_endpoint: str) -
     """Through the proxy, half the requests are throttled or cut short after their headers: each request
     the proxy saw is a success, a counted retry or a counted give-up (botocore's and s3fs's own
     retries are off; aiohttp's one re-send is only for a connection closed before any reply)."""
-    from faultproxy import FaultProxy
 
     s3.pipe(f"{bucket}/count/a.bin", b"x" * 1000)
     proxy = FaultProxy(s3_endpoint, rate=0.5, kinds=("503", "truncate"), seed=1)
@@ -312,7 +312,6 @@ def test_parquet_reads_run_on_the_calling_thread_only(tmp_path: Path, monkeypatc
 def test_a_flipped_whole_object_is_corrupt_by_the_store_checksum(s3: Any, bucket: str, s3_endpoint: str) -> None:
     """Every GET body flipped: the unranged, If-Match-pinned GET of a whole object gets the store's
     x-amz-checksum, which botocore checks; the mismatch is a one-line CorruptObjectError."""
-    from faultproxy import FaultProxy
 
     s3.pipe(f"{bucket}/flip/cls/a.bin", b"x" * 1000)
     proxy = FaultProxy(s3_endpoint, rate=0.0, flip_rate=1.0, seed=2)
@@ -367,7 +366,6 @@ def _crt_only_store(s3: Any, bucket: str, s3_endpoint: str, algorithm: str, flip
     """An object source over one object encrypted with SSE-KMS (its ETag no MD5) whose only checksum
     is ``algorithm`` (with ``parts``, a multipart upload's composite checksum of that many parts),
     through a proxy flipping a bit of each body at ``flip_rate``."""
-    from faultproxy import FaultProxy
 
     s3.pipe(f"{bucket}/crt/cls/a.bin", b"x" * 1000)
     header = f"x-amz-checksum-{algorithm.lower()}"
@@ -455,7 +453,6 @@ def test_a_flipped_whole_object_is_corrupt_by_its_md5_etag(
 ) -> None:
     """From a store that sends no checksum (it refuses ``x-amz-checksum-mode``), the plain-MD5 ETag
     still catches the flipped body, whether the store spells it in upper case or marks it weak."""
-    from faultproxy import FaultProxy
 
     s3.pipe(f"{bucket}/md5/cls/a.bin", b"x" * 1000)
     proxy = FaultProxy(s3_endpoint, rate=0.0, flip_rate=1.0, seed=2, refuse_checksum_mode=True, reply_etag=spelling)
@@ -470,30 +467,62 @@ def test_a_flipped_whole_object_is_corrupt_by_its_md5_etag(
         proxy.close()
 
 
+_NO_FLEXIBLE_CHECKS = {"response_checksum_validation": "when_required"}  # (the ETag is then the check)
+
+
 def test_a_store_whose_etags_are_not_md5s_is_read_and_said_so(
     s3: Any, bucket: str, s3_endpoint: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Two reads that agree with each other but not with a plain-looking ETag: the store's ETags are
-    not MD5s. The bytes are kept, the source stops checking ETags, and one warning says so."""
-    from faultproxy import FaultProxy
-
+    """Two reads that agree with each other but not with a plain-looking ETag, for two objects and
+    no ETag ever matched: the store's ETags are not MD5s. The first object is corrupt until then (it
+    may be damaged at rest: skipped, it is read again at the pass end), the second's bytes are kept,
+    the source stops checking ETags, and one warning says so."""
     for name in ("a", "b"):
         s3.pipe(f"{bucket}/notmd5/cls/{name}.bin", name.encode() * 1000)
     proxy = FaultProxy(s3_endpoint, rate=0.0, disguise_etags=True)
     try:
         options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url},
-                   "config_kwargs": {"response_checksum_validation": "when_required"}}
+                   "config_kwargs": _NO_FLEXIBLE_CHECKS}
         source = ObjectSource(f"s3://{bucket}/notmd5", storage_options=options)
         first, second = source.list_objects()
         assert first.etag is not None and hashlib.md5(b"a" * 1000).hexdigest() not in first.etag
         before = proxy.requests
         with caplog.at_level(logging.WARNING, logger="epochcache.sources.remote"):
-            assert source.read(source.units(first)[0])["data"].to_pylist() == [b"a" * 1000]
+            with pytest.raises(CorruptObjectError, match="damaged at rest, or the store's ETags are no MD5s"):
+                source.read(source.units(first)[0])
             assert source.read(source.units(second)[0])["data"].to_pylist() == [b"b" * 1000]
-        assert proxy.requests - before == 3, "one second read, for the first object only"
+            assert source.read(source.units(first)[0])["data"].to_pylist() == [b"a" * 1000]  # (its pass-end read)
+        assert proxy.requests - before == 5, "two reads of each object, then one"
         assert [r.message for r in caplog.records if "are not MD5s" in r.message] and len(caplog.records) == 1
     finally:
         proxy.close()
+
+
+def test_an_object_whose_bytes_at_rest_no_longer_match_its_md5_is_corrupt_once_others_matched(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bit rot at rest: two reads of b agree, not with its ETag (MD5), which a and c match. b is
+    corrupt, named so, and the source's ETag checks go on (no store-wide give-up)."""
+    bodies = {name: name.encode() * 1000 for name in "abc"}
+    for name, body in bodies.items():
+        s3.pipe(f"{bucket}/rot/{name}.bin", body)
+    stored = hashlib.md5(bodies["b"]).hexdigest().encode()
+    uploaded = hashlib.md5(b"b before it rotted").hexdigest().encode()
+    proxy = quirky(ignore_if_match=True, listing_etag=lambda etag: etag.replace(stored, uploaded),
+                   reply_etag=lambda etag: etag.replace(stored, uploaded))
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url},
+               "config_kwargs": _NO_FLEXIBLE_CHECKS}
+    source = ObjectSource(f"s3://{bucket}/rot", storage_options=options)
+    a, b, c = source.list_objects()
+    with caplog.at_level(logging.WARNING, logger="epochcache.sources.remote"):
+        assert source.read(source.units(a)[0])["data"].to_pylist() == [bodies["a"]]
+        for _ in range(2):  # (and again: still corrupt, never given up)
+            with pytest.raises(CorruptObjectError, match=f"rot/b.bin: two reads agree, not with its ETag \\(MD5\\) "
+                                                         f"\"{uploaded.decode()}\", which other objects under "
+                                                         ".* match: damaged at rest"):
+                source.read(source.units(b)[0])
+        assert source.read(source.units(c)[0])["data"].to_pylist() == [bodies["c"]]
+    assert not caplog.records
 
 
 @pytest.mark.parametrize("store", ["honours If-Match", "ignores If-Match"])
@@ -505,7 +534,6 @@ def test_an_object_rewritten_just_before_its_get_is_skipped_not_cut(
     (ranged reads), or the GET of the whole object (a small one, read whole), as a racing writer
     would: the pinned GET answers 412 or, from a store that ignores If-Match, the new version, whose
     ETag the reply names; either way the unit is skipped for this pass."""
-    from faultproxy import FaultProxy
 
     original = _parquet(tmp_path / "a.parquet")
     s3.pipe(f"{bucket}/race/part.parquet", original)

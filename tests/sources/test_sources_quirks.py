@@ -17,7 +17,7 @@ import pytest
 from conftest import make_table, wait_for
 from faultproxy import FaultProxy
 
-from epochcache.errors import ObjectDeniedError, ObjectMissingError, SourceError
+from epochcache.errors import CorruptObjectError, ObjectDeniedError, ObjectMissingError, SourceError
 from epochcache.sources import ObjectSource, ParquetSource
 from epochcache.sources.base import RemoteObject
 from epochcache.sources.remote import RemoteFiles, blank_image
@@ -479,3 +479,20 @@ def test_listed_objects_whose_size_is_not_a_byte_count_are_left_out_with_a_warni
     assert len(warnings) == 2, warnings
     assert "left out 1 listed object(s) whose size is not a byte count" in warnings[0]
     assert "sizes/k1.bin (size -533)" in warnings[0] and "sizes/k4.bin (size None)" in warnings[1]
+
+
+@pytest.mark.parametrize("ignore_if_match", [False, True], ids=["if-match", "store-ignores-if-match"])
+def test_more_bytes_of_the_listed_version_than_the_listing_says_are_a_corrupt_object_not_a_change(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], ignore_if_match: bool
+) -> None:
+    """A listing that gives an object fewer bytes than its listed version holds (the reply's ETag is
+    the listed one) would say the same at every pass: the object is skipped as corrupt, with the
+    reason, not dropped as changed pass after pass without a report."""
+    proxy = quirky(ignore_if_match=ignore_if_match)
+    remote, listed = _listed(s3, bucket, proxy)
+    understated = RemoteObject(listed.path, listed.size - 7, listed.etag)
+    with pytest.raises(CorruptObjectError, match=f"serves more than the {len(DATA) - 7} bytes its listing gives"):
+        remote.fetch_whole(understated)
+    s3.pipe(listed.path, DATA + b"grown")  # rewritten: now a change, as before
+    with pytest.raises(ObjectMissingError, match="changed since it was listed"):
+        remote.fetch_whole(listed)
