@@ -80,11 +80,13 @@ class DaemonState:
         a listing that lost objects says nothing about the versions of those it has.)"""
         with self._db.read() as con:
             # one sort of both listings by path (a join of the two would run without an index)
+            # (a path a listing gives twice, as some stores do, is still one path of both listings)
             return [path for (path,) in con.execute(
-                "SELECT path FROM (SELECT path, " + _BARE_SQL + " AS etag FROM (SELECT json_extract(o.value, '$[0]') "
-                "AS path, json_extract(o.value, '$[2]') AS etag FROM listing_pages p, json_each(p.objects) o "
-                "WHERE p.stream IN (:old, :new))) "
-                "GROUP BY path HAVING count(*) = 2 AND count(etag) = 2 AND min(etag) != max(etag)",
+                "SELECT path FROM (SELECT path, listing, " + _BARE_SQL + " AS etag FROM (SELECT p.stream AS listing, "
+                "json_extract(o.value, '$[0]') AS path, json_extract(o.value, '$[2]') AS etag FROM listing_pages p, "
+                "json_each(p.objects) o WHERE p.stream IN (:old, :new))) "
+                "GROUP BY path HAVING count(DISTINCT listing) = 2 AND count(etag) = count(*) "
+                "AND min(etag) != max(etag)",
                 {"old": stream + self._PREVIOUS, "new": stream})]
 
     def drop_previous_listing(self, stream: str = "") -> None:

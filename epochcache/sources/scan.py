@@ -21,6 +21,7 @@ from epochcache.sources.base import RemoteObject
 from epochcache.sources.remote import RemoteFiles
 from epochcache.sources.retry import describe
 from epochcache.sources.s3errors import credentials_error, refused
+from epochcache.sources.s3listing import LEFT_OUT, mend_listings
 from epochcache.sources.versions import etag_of
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def _one(remote: RemoteFiles, info: dict[str, Any]) -> list[RemoteObject]:
 def _objects(remote: RemoteFiles, entries: Sequence[tuple[str, Any, str | None]]) -> list[RemoteObject]:
     """The listing's ``(path, size, etag)`` entries as objects, less those whose size is not a count of
     bytes (missing, negative, not a number: a store's bad entry, which no ranged read could make sense
-    of), left out with one warning per page naming the first."""
+    of), left out with a warning (:func:`_left_out`)."""
     objects, bad = [], []
     for path, size, etag in entries:
         count = size if isinstance(size, int) and not isinstance(size, bool) else _integer(size)
@@ -88,11 +89,14 @@ def _objects(remote: RemoteFiles, entries: Sequence[tuple[str, Any, str | None]]
             bad.append((path, size))
         else:
             objects.append(RemoteObject(path, count, etag))
+    _left_out(remote, bad)
+    return objects
+
+def _left_out(remote: RemoteFiles, bad: Sequence[tuple[str, Any]]) -> None:
+    """One warning for a page's ``(path, size as listed)`` entries left out, naming the first."""
     if bad:
         log.warning("%s: left out %d listed object(s) whose size is not a byte count, e.g. %s (size %r): "
-                    "the store's listing is damaged (each pass lists them again)",
-                    remote.url, len(bad), *bad[0])
-    return objects
+                    "the store's listing is damaged (each pass lists them again)", remote.url, len(bad), *bad[0])
 
 def _integer(value: Any) -> int | None:
     """``value`` as an integer where it is one written out (``"123"``); None otherwise."""
@@ -123,18 +127,30 @@ def _s3_pages(remote: RemoteFiles, page_size: int) -> Iterator[list[RemoteObject
     its last key (``Marker``, which every store honours), dropping keys not after it. S3 lists keys
     in order, so a truncated page none of whose keys comes after every key listed before it, or a
     continuation token given twice, means the listing does not advance: a :class:`SourceError`,
-    never an endless listing that hands out the same objects again."""
+    never an endless listing that hands out the same objects again. Each key is listed once: one a
+    page repeats, or the page before it gave (a continuation token that starts at its last key), is
+    dropped; so is a key outside the prefix (a store that ignores it), with a warning. Pages a store
+    wrote out of spec are mended first (:mod:`epochcache.sources.s3listing`)."""
     bucket, _, key = remote.root.partition("/")
+    prefix = key.rstrip("/") + "/" if key else ""
     method = "list_objects_v2"
-    request: dict[str, Any] = {"Bucket": bucket, "Prefix": key.rstrip("/") + "/" if key else "", "MaxKeys": page_size}
+    request: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": page_size}
     tokens: set[str] = set()
     last = ""  # the greatest key listed so far
+    before: set[str] = set()  # the keys of the page before
+    mend_listings(remote.fs)
     for number in itertools.count(1):
         reply = remote.fs.call_s3(method, **request)
-        entries = [e for e in reply.get("Contents", []) if method == "list_objects_v2" or e["Key"] > last]
+        _left_out(remote, [(f"{bucket}/{name}", size) for name, size in reply.get(LEFT_OUT, [])])
+        contents = [e for e in reply.get("Contents", []) if e["Key"].startswith(prefix)]
+        if len(contents) < len(reply.get("Contents", [])):
+            outside = next(e["Key"] for e in reply["Contents"] if not e["Key"].startswith(prefix))
+            log.warning("%s: the store lists %d key(s) outside the prefix %r, e.g. %r: left out (it ignores the "
+                        "listing's prefix)", remote.url, len(reply["Contents"]) - len(contents), prefix, outside)
+        entries = [e for e in contents if method == "list_objects_v2" or e["Key"] > last]
         truncated = bool(reply.get("IsTruncated"))
         token = reply.get("NextContinuationToken") if method == "list_objects_v2" else None
-        stalled = bool(reply.get("Contents")) and max(e["Key"] for e in reply["Contents"]) <= last
+        stalled = bool(contents) and max(e["Key"] for e in contents) <= last
         if truncated and (stalled or token in tokens or not (token or entries)):
             why = ("no key after those listed before it" if stalled
                    else "a continuation token it gave before" if token else "no key and no continuation token")
@@ -144,9 +160,11 @@ def _s3_pages(remote: RemoteFiles, page_size: int) -> Iterator[list[RemoteObject
                 "the endpoint in source.storage_options)"
             )
         last = max([last, *(e["Key"] for e in entries)])
+        page = {e["Key"]: e for e in entries if e["Key"] not in before}  # (each key once, as first listed)
+        before = {e["Key"] for e in entries}
         # A key ending in "/" is a folder marker (the S3 console makes them), never data.
-        objects = _objects(remote, [(f"{bucket}/{e['Key']}", e.get("Size"), etag_of(e))
-                                    for e in entries if not e["Key"].endswith("/")])
+        objects = _objects(remote, [(f"{bucket}/{name}", e.get("Size"), etag_of(e))
+                                    for name, e in page.items() if not name.endswith("/")])
         for start in range(0, len(objects), page_size):
             yield objects[start:start + page_size]
         if not truncated:

@@ -620,3 +620,13 @@ def test_unleased_retiring_skips_every_live_leases_shards_and_takes_only_what_is
     with ledger.db.write() as con:
         assert ids(unleased_retiring(con, 10 * S)) == ["s0", "s1", "s3", "s6", "s7"]
     ledger.leases.release(newer.id)
+
+
+def test_a_path_a_listing_gives_twice_is_still_found_rewritten(ledger: Ledger) -> None:
+    """Some stores repeat a key (within a page, or across two); a rewrite of it must still show,
+    and a path both listings give under one ETag (spelled otherwise) is not rewritten."""
+    ledger.daemon.set_listing_page(0, [("b/a", 1, '"1111"'), ("b/a", 1, '"1111"'), ("b/c", 1, '"3333"')])
+    ledger.daemon.keep_previous_listing()
+    ledger.daemon.set_listing_page(0, [("b/a", 1, '"2222"'), ("b/c", 1, "3333")])
+    ledger.daemon.set_listing_page(1, [("b/a", 1, '"2222"'), ("b/c", 1, '"3333"'), ("b/d", 1, '"4444"')])
+    assert ledger.daemon.rewritten() == ["b/a"]

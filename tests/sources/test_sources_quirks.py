@@ -460,25 +460,61 @@ def test_a_store_that_answers_the_first_page_again_is_a_source_error_not_an_endl
     assert proxy.faults["listing-ignored"] == 1
 
 
-def _damage_sizes(body: bytes) -> bytes:
-    """k1 listed with a negative size, k4 with none."""
-    body = re.sub(rb"(<Key>[^<]*/k1\.bin</Key>(?:(?!</Contents>).)*<Size>)\d+", rb"\g<1>-533", body, flags=re.S)
-    return re.sub(rb"(<Key>[^<]*/k4\.bin</Key>(?:(?!</Contents>).)*)<Size>\d+</Size>", rb"\1", body, flags=re.S)
+def _entry(name: bytes, field: bytes, value: bytes | None) -> Callable[[bytes], bytes]:
+    """A listing rewrite giving key ``name``'s ``field`` another value (None: no such field)."""
+    def rewrite(body: bytes) -> bytes:
+        replacement = b"" if value is None else rb"<%s>%s</%s>" % (field, value, field)
+        pattern = rb"(<Key>[^<]*/%s</Key>(?:(?!</Contents>).)*?)<%s>[^<]*</%s>" % (re.escape(name), field, field)
+        return re.sub(pattern, lambda m: m.group(1) + replacement, body, flags=re.S)
+    return rewrite
 
 
-def test_listed_objects_whose_size_is_not_a_byte_count_are_left_out_with_a_warning(
+def _damaged(body: bytes) -> bytes:
+    """k1, k2 and k4 listed with sizes that are no byte counts, k3 with a LastModified that is no
+    date, and IsTruncated spelled as no S3 does."""
+    for rewrite in (_entry(b"k1.bin", b"Size", b"-533"), _entry(b"k2.bin", b"Size", b"1e3"),
+                    _entry(b"k4.bin", b"Size", None), _entry(b"k3.bin", b"LastModified", b"not-a-date")):
+        body = rewrite(body)
+    return body.replace(b"<IsTruncated>true</IsTruncated>", b"<IsTruncated>True</IsTruncated>")
+
+
+def test_listing_entries_botocore_cannot_read_are_left_out_with_a_warning_and_the_listing_goes_on(
     s3: Any, bucket: str, quirky: Callable[..., FaultProxy], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A damaged listing entry (a negative size, none) is never read with a nonsense range: it is
-    left out of the listing, one warning per page names it, and the objects around it are listed."""
-    proxy = quirky(listing_body=_damage_sizes)
+    """A damaged listing entry (a size that is negative, not an integer, missing) is never read with a
+    nonsense range, nor fails its whole page in botocore (every restart again): it is left out, one
+    warning per page names it; a LastModified that is no date leaves the entry listed; a page whose
+    IsTruncated reads ``True`` is truncated (botocore reads only ``true``: the listing would end there)."""
+    proxy = quirky(listing_body=_damaged)
     with caplog.at_level(logging.WARNING, logger="epochcache.sources.scan"):
         listed = [path for page in _paged(s3, bucket, proxy, "sizes") for path in page]
-    assert listed == [f"{bucket}/sizes/k{i}.bin" for i in (0, 2, 3, 5, 6)]
+    assert listed == [f"{bucket}/sizes/k{i}.bin" for i in (0, 3, 5, 6)]
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2, warnings
-    assert "left out 1 listed object(s) whose size is not a byte count" in warnings[0]
-    assert "sizes/k1.bin (size -533)" in warnings[0] and "sizes/k4.bin (size None)" in warnings[1]
+    assert "left out 2 listed object(s) whose size is not a byte count, e.g. " in warnings[0]
+    assert "sizes/k1.bin (size '-533')" in warnings[0] and "sizes/k4.bin (size None)" in warnings[1]
+
+
+def _outside(body: bytes) -> bytes:
+    """Keys of a sibling prefix in the listing (a store that ignores the prefix asked for)."""
+    return body.replace(b"<Key>", b"<Key>other/x.bin</Key><Size>1</Size></Contents><Contents><Key>", 1)
+
+
+def _twice(body: bytes) -> bytes:
+    """Each key's entry twice (the page that follows starts at the last key again: an inclusive token)."""
+    return re.sub(rb"<Contents>.*?</Contents>", lambda m: m.group(0) * 2, body, flags=re.S)
+
+
+@pytest.mark.parametrize("rewrite", [_outside, _twice], ids=["outside-the-prefix", "each-key-twice"])
+def test_each_key_under_the_prefix_is_listed_once_whatever_the_store_repeats_or_adds(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], caplog: pytest.LogCaptureFixture,
+    rewrite: Callable[[bytes], bytes]
+) -> None:
+    proxy = quirky(listing_body=rewrite)
+    with caplog.at_level(logging.WARNING, logger="epochcache.sources.scan"):
+        listed = [path for page in _paged(s3, bucket, proxy, "once") for path in page]
+    assert listed == [f"{bucket}/once/k{i}.bin" for i in range(7)]
+    assert ("outside the prefix 'once/'" in caplog.text) == (rewrite is _outside)
 
 
 @pytest.mark.parametrize("ignore_if_match", [False, True], ids=["if-match", "store-ignores-if-match"])
