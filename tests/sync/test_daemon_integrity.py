@@ -247,6 +247,7 @@ def test_rows_with_a_null_item_inside_a_fixed_size_list_are_dropped_not_trained_
     assert sorted(batch["id"].tolist()) == [2, 3] and batch["v"].shape == (2, 2, 2)
 
 
+@pytest.mark.slow  # (a CLI process)
 def test_a_damaged_parquet_footer_among_nine_is_skipped_by_sync_once(
     tmp_path: Path, make_config: Callable[..., Config]
 ) -> None:
@@ -387,6 +388,7 @@ def test_sync_once_against_an_unreachable_endpoint_ends_with_one_line_naming_the
     assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0] and "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.slow  # (timeouts against a black hole)
 def test_the_daemon_keeps_retrying_an_unreachable_endpoint_and_shows_it(
     tmp_path: Path, black_hole: int, make_config: Callable[..., Config]
 ) -> None:

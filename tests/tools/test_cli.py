@@ -179,6 +179,7 @@ def test_env_var_error_names_the_variable_not_the_file(tmp_path: Path) -> None:
     assert str(config) not in err[0]
 
 
+@pytest.mark.slow  # (CLI processes)
 def test_verbose_flag_after_the_command_and_library_info_quiet(tmp_path: Path) -> None:
     config = _config(tmp_path)
     result = _cli("sync", "--config", str(config), "--once", "--no-progress", "-v")
@@ -196,6 +197,7 @@ def test_status_of_a_mistyped_cache_dir_is_one_line_and_creates_nothing(tmp_path
     assert not (tmp_path / "cahce").exists()
 
 
+@pytest.mark.slow  # (a CLI process)
 def test_no_credentials_is_one_line_exit_2(s3_endpoint: str, tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump({
@@ -234,6 +236,7 @@ def test_sync_once_exits_3_when_units_stay_unread(
     assert "1 units were skipped and are still unread" in caplog.text
 
 
+@pytest.mark.slow  # (a CLI process)
 def test_budget_over_the_free_space_warns(tmp_path: Path) -> None:
     config = _config(tmp_path)
     result = _cli("sync", "--config", str(config), "--once", "--no-progress", "--set", "cache.max_bytes=1000PB")
@@ -241,6 +244,7 @@ def test_budget_over_the_free_space_warns(tmp_path: Path) -> None:
     assert "cache.max_bytes=1.0EB is more than the cache's filesystem can hold" in result.stderr
 
 
+@pytest.mark.slow  # (CLI processes)
 def test_clear_refuses_without_yes_then_empties_the_cache(tmp_path: Path, capsys) -> None:
     config = _config(tmp_path)
     assert main(["sync", "--config", str(config), "--once", "--no-progress"]) == 0
@@ -279,6 +283,7 @@ def test_verify_and_clear_show_no_bar_off_a_terminal_or_with_no_progress(tmp_pat
     assert "%" not in capsys.readouterr().err
 
 
+@pytest.mark.slow  # (a CLI process)
 def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path: Path) -> None:
     """``epochcache status | head -1``: the reader gone, the command stops with 141 (128 + SIGPIPE),
     as a Unix tool does, without a BrokenPipeError traceback."""

@@ -257,6 +257,7 @@ def test_min_samples_without_a_daemon_fails_with_a_clear_message(tmp_path: Path)
             next(iter(loader))
 
 
+@pytest.mark.slow  # (1.3 s: a daemon filling the cache)
 def test_min_samples_waits_for_a_running_daemon(remote: str, make_config: Callable[..., Config]) -> None:
     config = make_config(remote, **{"cache.max_bytes": "20MB", "cache.shard_bytes": "64KiB",
                                     "sampler.max_bytes_per_s": 400_000, "sampler.concurrency": 1})
