@@ -87,7 +87,8 @@ class Leases:
                 return
             # Each unit of the untrained shards, with its share of its shard's rows; a unit in several
             # of them counts for the first (inserted in shard order, the later ones ignored). In SQL: a
-            # first epoch on a cache of 100,000 shards took 2.2 s with a statement per shard, 1.3 s so.
+            # first epoch on a cache of 100,000 shards took 1.8 s with a statement per shard, 1.1 s so
+            # (benchmarks/ledger.py, run after each other).
             con.execute("CREATE TEMP TABLE IF NOT EXISTS fresh_units(h INTEGER PRIMARY KEY, share REAL NOT NULL) "
                         "WITHOUT ROWID")
             con.execute("DELETE FROM fresh_units")
