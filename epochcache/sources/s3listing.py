@@ -3,12 +3,15 @@
 In: the raw XML body of a ListObjects or ListObjectsV2 reply (botocore's ``before-parse`` event, on
 the filesystem's client: :func:`mend_listings`). Out: the page botocore then parses, where
 
-- an entry whose ``Size`` is not a byte count (negative, empty, ``abc``, ``1e3``) is taken out and
-  named in the parsed reply's ``LEFT_OUT`` list (``(key, size as sent)``), for the listing to warn
-  of: botocore's ``int()`` would fail the whole page (every restart again), or a negative size would
-  be read with a nonsense range;
-- a ``LastModified`` botocore cannot parse is taken out of its entry (it names a version only where
-  the entry has no ETag), where it failed the whole page;
+- an entry whose ``Size`` is not a byte count (negative, empty, ``abc``, ``1e3``) loses it (the
+  listing leaves an entry without a size out, and warns of it) and is named in the parsed reply's
+  ``LEFT_OUT`` list (``(key, size as sent)``) for that warning: botocore's ``int()`` would fail the
+  whole page (every restart again), or a negative size would be read with a nonsense range; the
+  entry itself stays, so a listing goes on after its key (ListObjects V1 continues from a key);
+- an entry without a ``Key`` is taken out (named ``?``);
+- a ``LastModified`` that is no time (empty, ``<LastModified/>``, ``0000-00-00``, an offset past a
+  day) is taken out of its entry (it names a version only where the entry has no ETag), where it
+  failed the whole page or a version's seconds;
 - an ``IsTruncated`` spelled ``True`` or ``1`` reads as true: botocore reads only ``true``, and the
   listing would end after its first page without a word.
 
@@ -19,22 +22,20 @@ from __future__ import annotations
 
 import logging
 import re
+from datetime import datetime
 from typing import Any
 from xml.sax.saxutils import unescape
 
 log = logging.getLogger(__name__)
 
-LEFT_OUT = "EpochcacheLeftOut"  # the key of the parsed reply's list of entries taken out
+LEFT_OUT = "EpochcacheLeftOut"  # the key of the parsed reply's list of entries whose size (or key) is bad
 
 _ENTRY = re.compile(rb"<Contents>.*?</Contents>", re.S)
 _KEY = re.compile(rb"<Key>(.*?)</Key>", re.S)
-_SIZE = re.compile(rb"<Size>(.*?)</Size>", re.S)
-_MODIFIED = re.compile(rb"<LastModified>(.*?)</LastModified>", re.S)
+_SIZE = re.compile(rb"<Size>(.*?)</Size>|<Size\s*/>", re.S)
+_MODIFIED = re.compile(rb"<LastModified>(.*?)</LastModified>|<LastModified\s*/>", re.S)
 _TRUNCATED = re.compile(rb"(<IsTruncated>)(.*?)(</IsTruncated>)", re.S)
 _COUNT = re.compile(rb"\s*[0-9]+\s*")
-# S3's own spelling of a time (what botocore parses at once), and what many stores write
-_ISO_TIME = re.compile(rb"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]+)?"
-                       rb"(?:Z|[+-][0-9]{2}:?[0-9]{2})")
 _XML_QUOTES = {"&quot;": '"', "&apos;": "'"}
 
 
@@ -48,7 +49,8 @@ def mend_listings(fs: Any) -> None:
 
 def mend_page(response_dict: dict[str, Any], customized_response_dict: dict[str, Any], **_: Any) -> None:
     """botocore's ``before-parse`` handler: mend ``response_dict``'s body (a 200's), and name the entries
-    taken out in ``customized_response_dict`` (merged into the parsed reply) under :data:`LEFT_OUT`."""
+    whose size or key is bad in ``customized_response_dict`` (merged into the parsed reply) under
+    :data:`LEFT_OUT`."""
     body = response_dict.get("body")
     if response_dict.get("status_code") != 200 or not isinstance(body, bytes) or _in_spec(body):
         return
@@ -56,16 +58,18 @@ def mend_page(response_dict: dict[str, Any], customized_response_dict: dict[str,
 
     def entry(match: re.Match[bytes]) -> bytes:
         text = match.group(0)
-        size = _SIZE.search(text)
-        if size is None or not _COUNT.fullmatch(size.group(1)):
-            key = _KEY.search(text)
-            left_out.append((_text(key.group(1)) if key else "?", _text(size.group(1)) if size else None))
-            return b""
+        key, size = _KEY.search(text), _SIZE.search(text)
+        if key is None or size is None or size.group(1) is None or not _COUNT.fullmatch(size.group(1)):
+            left_out.append((_text(key.group(1)) if key else "?", _text(size.group(1) or b"") if size else None))
+            if key is None:
+                return b""
+            if size is not None:
+                text = text[:size.start()] + text[size.end():]
         modified = _MODIFIED.search(text)
-        if modified is not None and not _ISO_TIME.fullmatch(modified.group(1)) and not _parses(modified.group(1)):
-            log.debug("listing entry %r: LastModified %r does not parse; left out of the entry", text[:200],
-                      modified.group(1))
-            return text[:modified.start()] + text[modified.end():]
+        if modified is not None and not _time(modified.group(1)):
+            log.debug("listing entry %r: LastModified %r is no time; left out of the entry", text[:200],
+                      modified.group(0))
+            text = text[:modified.start()] + text[modified.end():]
         return text
 
     mended = _TRUNCATED.sub(_truthful, _ENTRY.sub(entry, body))
@@ -77,10 +81,12 @@ def mend_page(response_dict: dict[str, Any], customized_response_dict: dict[str,
 
 def _in_spec(body: bytes) -> bool:
     """Whether botocore reads every field :func:`mend_page` looks at as meant: one pass per field over the
-    page (a page of 1,000 entries mended entry by entry costs about 150 ms, this about 1)."""
+    page (a page of 1,000 entries mended entry by entry costs about 150 ms, this a few)."""
+    entries = body.count(b"<Contents>")
     sizes = _SIZE.findall(body)
-    return (len(sizes) == body.count(b"<Contents>") and all(map(_COUNT.fullmatch, sizes))
-            and all(map(_ISO_TIME.fullmatch, _MODIFIED.findall(body)))
+    return (len(sizes) == entries and body.count(b"<Key>") >= entries
+            and all(size and _COUNT.fullmatch(size) for size in sizes)
+            and all(_time(when) for when in _MODIFIED.findall(body))
             and all(value in (b"true", b"false") for _, value, _ in _TRUNCATED.findall(body)))
 
 
@@ -90,12 +96,22 @@ def _truthful(match: re.Match[bytes]) -> bytes:
     return match.group(1) + spelled + match.group(3)
 
 
-def _parses(value: bytes) -> bool:
-    """Whether botocore's parser of S3 timestamps reads ``value``."""
+def _time(value: bytes | None) -> bool:
+    """Whether ``value`` (a LastModified as sent; None: an empty element) is a time botocore reads and
+    that has seconds since the epoch: Python's ISO reader first (S3's own spelling, at once), then
+    botocore's parser (other spellings, slower)."""
+    if not value:
+        return False
+    text = _text(value).strip()
+    try:
+        datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+        return True
+    except ValueError:
+        pass
     from botocore.utils import parse_timestamp  # (botocore is loaded by then: the reply came through it)
 
     try:
-        parse_timestamp(_text(value))
+        parse_timestamp(text).timestamp()
     except (ValueError, TypeError, OverflowError, RuntimeError):  # (RuntimeError: botocore's 'no timezone offset')
         return False
     return True

@@ -79,9 +79,15 @@ def _one(remote: RemoteFiles, info: dict[str, Any]) -> list[RemoteObject]:
     return _objects(remote, [(remote.root, info.get("size"), etag_of(info))])
 
 def _objects(remote: RemoteFiles, entries: Sequence[tuple[str, Any, str | None]]) -> list[RemoteObject]:
-    """The listing's ``(path, size, etag)`` entries as objects, less those whose size is not a count of
-    bytes (missing, negative, not a number: a store's bad entry, which no ranged read could make sense
-    of), left out with a warning (:func:`_left_out`)."""
+    """:func:`_sized`, the entries left out warned of (:func:`_left_out`)."""
+    objects, bad = _sized(entries)
+    _left_out(remote, bad)
+    return objects
+
+def _sized(entries: Sequence[tuple[str, Any, str | None]]) -> tuple[list[RemoteObject], list[tuple[str, Any]]]:
+    """The listing's ``(path, size, etag)`` entries as objects, and ``(path, size)`` of those left out:
+    their size is not a count of bytes (missing, negative, not a number: a store's bad entry, which
+    no ranged read could make sense of)."""
     objects, bad = [], []
     for path, size, etag in entries:
         count = size if isinstance(size, int) and not isinstance(size, bool) else _integer(size)
@@ -89,14 +95,14 @@ def _objects(remote: RemoteFiles, entries: Sequence[tuple[str, Any, str | None]]
             bad.append((path, size))
         else:
             objects.append(RemoteObject(path, count, etag))
-    _left_out(remote, bad)
-    return objects
+    return objects, bad
 
 def _left_out(remote: RemoteFiles, bad: Sequence[tuple[str, Any]]) -> None:
     """One warning for a page's ``(path, size as listed)`` entries left out, naming the first."""
     if bad:
-        log.warning("%s: left out %d listed object(s) whose size is not a byte count, e.g. %s (size %r): "
-                    "the store's listing is damaged (each pass lists them again)", remote.url, len(bad), *bad[0])
+        log.warning("%s: left out %d listed object(s) whose key or size is missing or bad (a size is a byte "
+                    "count), e.g. %s (size %r): the store's listing is damaged (each pass lists them again)",
+                    remote.url, len(bad), *bad[0])
 
 def _integer(value: Any) -> int | None:
     """``value`` as an integer where it is one written out (``"123"``); None otherwise."""
@@ -104,6 +110,17 @@ def _integer(value: Any) -> int | None:
         return int(value) if isinstance(value, str) else None
     except ValueError:
         return None
+
+def _listing_page(remote: RemoteFiles, method: str, request: dict[str, Any], number: int) -> dict[str, Any]:
+    """One listing page, parsed; a page botocore cannot parse even once mended (a shape no store
+    should send) is a :class:`SourceError` naming it, not a traceback."""
+    try:
+        reply: dict[str, Any] = remote.fs.call_s3(method, **request)
+    except (ValueError, KeyError, TypeError) as exc:  # (botocore's parser, on fields it cannot read)
+        raise SourceError(f"cannot list {remote.url}: page {number} of the listing does not parse "
+                          f"({describe(exc)}): the store's ListObjects is not S3-compatible (check source.url and "
+                          "the endpoint in source.storage_options)") from exc
+    return reply
 
 def _s3_objects(remote: RemoteFiles, page_size: int) -> Iterator[list[RemoteObject]]:
     """The prefix's pages; a URL naming one object (nothing under it as a prefix) is that object.
@@ -140,18 +157,13 @@ def _s3_pages(remote: RemoteFiles, page_size: int) -> Iterator[list[RemoteObject
     before: set[str] = set()  # the keys of the page before
     mend_listings(remote.fs)
     for number in itertools.count(1):
-        reply = remote.fs.call_s3(method, **request)
-        _left_out(remote, [(f"{bucket}/{name}", size) for name, size in reply.get(LEFT_OUT, [])])
-        contents = [e for e in reply.get("Contents", []) if e["Key"].startswith(prefix)]
-        if len(contents) < len(reply.get("Contents", [])):
-            outside = next(e["Key"] for e in reply["Contents"] if not e["Key"].startswith(prefix))
-            log.warning("%s: the store lists %d key(s) outside the prefix %r, e.g. %r: left out (it ignores the "
-                        "listing's prefix)", remote.url, len(reply["Contents"]) - len(contents), prefix, outside)
-        entries = [e for e in contents if method == "list_objects_v2" or e["Key"] > last]
+        reply = _listing_page(remote, method, request, number)
+        listed = reply.get("Contents", [])  # as the store gave them: every key advances the listing
+        fresh = [e for e in listed if method == "list_objects_v2" or e["Key"] > last]
         truncated = bool(reply.get("IsTruncated"))
         token = reply.get("NextContinuationToken") if method == "list_objects_v2" else None
-        stalled = bool(contents) and max(e["Key"] for e in contents) <= last
-        if truncated and (stalled or token in tokens or not (token or entries)):
+        stalled = bool(listed) and max(e["Key"] for e in listed) <= last
+        if truncated and (stalled or token in tokens or not (token or fresh)):
             why = ("no key after those listed before it" if stalled
                    else "a continuation token it gave before" if token else "no key and no continuation token")
             raise SourceError(
@@ -159,12 +171,19 @@ def _s3_pages(remote: RemoteFiles, page_size: int) -> Iterator[list[RemoteObject
                 "listing does not advance: the store's ListObjects is not S3-compatible (check source.url and "
                 "the endpoint in source.storage_options)"
             )
-        last = max([last, *(e["Key"] for e in entries)])
+        last = max([last, *(e["Key"] for e in fresh)])
+        entries = [e for e in fresh if e["Key"].startswith(prefix)]
+        if len(entries) < len(fresh):
+            outside = next(e["Key"] for e in fresh if not e["Key"].startswith(prefix))
+            log.warning("%s: the store lists %d key(s) outside the prefix %r, e.g. %r: left out (it ignores the "
+                        "listing's prefix)", remote.url, len(fresh) - len(entries), prefix, outside)
         page = {e["Key"]: e for e in entries if e["Key"] not in before}  # (each key once, as first listed)
-        before = {e["Key"] for e in entries}
+        before = {e["Key"] for e in fresh}
         # A key ending in "/" is a folder marker (the S3 console makes them), never data.
-        objects = _objects(remote, [(f"{bucket}/{name}", e.get("Size"), etag_of(e))
-                                    for name, e in page.items() if not name.endswith("/")])
+        objects, bad = _sized([(f"{bucket}/{name}", e.get("Size"), etag_of(e))
+                               for name, e in page.items() if not name.endswith("/")])
+        # (the sizes as sent, where the page was mended: botocore's entry has none)
+        _left_out(remote, [(f"{bucket}/{name}", size) for name, size in reply.get(LEFT_OUT, [])] or bad)
         for start in range(0, len(objects), page_size):
             yield objects[start:start + page_size]
         if not truncated:

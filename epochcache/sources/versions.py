@@ -48,9 +48,13 @@ def etag_of(info: dict[str, Any]) -> str | None:
 
 
 def seconds(when: Any) -> float | None:
-    """A listing's or a reply's LastModified (botocore parses both to datetimes) in seconds, or None."""
+    """A listing's or a reply's LastModified (botocore parses both to datetimes) in seconds, or None
+    (also for a time botocore parsed that has none: an offset past a day, a year out of range)."""
     timestamp = getattr(when, "timestamp", None)
-    return float(timestamp()) if callable(timestamp) else None
+    try:
+        return float(timestamp()) if callable(timestamp) else None
+    except (ValueError, OverflowError, OSError):
+        return None
 
 
 def listed_modified(obj: RemoteObject) -> float | None:

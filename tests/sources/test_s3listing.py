@@ -35,8 +35,22 @@ def test_entries_botocore_cannot_read_are_taken_out_or_mended_and_named() -> Non
                  _ENTRY % (b"d/when", b"not-a-date", b"3" * 32, b"7"), truncated=b"1")
     mended, custom = _mended(body)
     assert custom[LEFT_OUT] == [("d/a&b", "1e3"), ("d/neg", "-5")]
-    assert mended == _page(good, b"<Contents><Key>d/when</Key><ETag>&quot;" + b"3" * 32 + b"&quot;</ETag>"
-                                 b"<Size>7</Size></Contents>", truncated=b"true")
+    assert mended == _page(good, b"<Contents><Key>d/a&amp;b</Key><LastModified>2026-11-26T16:51:01Z</LastModified>"
+                                 b"<ETag>&quot;" + b"1" * 32 + b"&quot;</ETag></Contents>",  # kept: its key advances
+                           b"<Contents><Key>d/neg</Key><LastModified>2026-11-26T16:51:01Z</LastModified><ETag>&quot;"
+                           + b"2" * 32 + b"&quot;</ETag></Contents>",
+                           b"<Contents><Key>d/when</Key><ETag>&quot;" + b"3" * 32 + b"&quot;</ETag>"
+                           b"<Size>7</Size></Contents>", truncated=b"true")
+
+
+def test_empty_or_impossible_times_and_keyless_entries_are_mended() -> None:
+    entries = [_ENTRY % (b"d/zero", b"0000-00-00T00:00:00Z", b"0" * 32, b"1"),
+               _ENTRY % (b"d/feb", b"2024-02-30T00:00:00Z", b"1" * 32, b"1"),
+               b"<Contents><Key>d/empty</Key><LastModified/><Size>1</Size></Contents>",
+               b"<Contents><LastModified>2026-11-26T16:51:01Z</LastModified><Size>1</Size></Contents>"]
+    mended, custom = _mended(_page(*entries))
+    assert custom[LEFT_OUT] == [("?", "1")]
+    assert b"LastModified" not in mended and mended.count(b"<Contents>") == 3
 
 
 def test_error_replies_are_not_touched() -> None:

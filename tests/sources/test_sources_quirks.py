@@ -491,13 +491,15 @@ def test_listing_entries_botocore_cannot_read_are_left_out_with_a_warning_and_th
     assert listed == [f"{bucket}/sizes/k{i}.bin" for i in (0, 3, 5, 6)]
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2, warnings
-    assert "left out 2 listed object(s) whose size is not a byte count, e.g. " in warnings[0]
+    assert "left out 2 listed object(s) whose key or size is missing or bad" in warnings[0]
     assert "sizes/k1.bin (size '-533')" in warnings[0] and "sizes/k4.bin (size None)" in warnings[1]
 
 
 def _outside(body: bytes) -> bytes:
-    """Keys of a sibling prefix in the listing (a store that ignores the prefix asked for)."""
-    return body.replace(b"<Key>", b"<Key>other/x.bin</Key><Size>1</Size></Contents><Contents><Key>", 1)
+    """A key of another prefix, in order, on the listing's first page (a store that ignores the prefix)."""
+    if b"<ContinuationToken>" in body or b"<Marker>" in body:  # (pages after the first echo what they were asked)
+        return body
+    return body.replace(b"<Key>", b"<Key>aaa/x.bin</Key><Size>1</Size></Contents><Contents><Key>", 1)
 
 
 def _twice(body: bytes) -> bytes:
@@ -532,3 +534,21 @@ def test_more_bytes_of_the_listed_version_than_the_listing_says_are_a_corrupt_ob
     s3.pipe(listed.path, DATA + b"grown")  # rewritten: now a change, as before
     with pytest.raises(ObjectMissingError, match="changed since it was listed"):
         remote.fetch_whole(listed)
+
+
+def test_a_v1_listing_goes_on_past_a_page_whose_every_entry_is_left_out(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store that knows only ListObjects V1 continues from a key: a page whose entries are all left
+    out (sizes that are no byte counts) still moves the listing on from its last key."""
+    def damaged(body: bytes) -> bytes:
+        for name in (b"k3.bin", b"k4.bin", b"k5.bin"):
+            body = _entry(name, b"Size", b"x")(body)
+        return _strip_tokens(body)
+
+    proxy = quirky(listing_body=damaged)
+    with caplog.at_level(logging.WARNING, logger="epochcache.sources.scan"):
+        listed = [path for page in _paged(s3, bucket, proxy, "v1bad") for path in page]
+    assert listed == [f"{bucket}/v1bad/k{i}.bin" for i in (0, 1, 2, 6)]
+    assert "left out 3 listed object(s) whose key or size is missing or bad" in caplog.text
+    assert "(size 'x')" in caplog.text
