@@ -16,11 +16,14 @@ rclone, the Go SDK), so the size is found by trying, in turn, the one that last 
 source, the common sizes, whole MiBs and the even split that give the reply's count,
 :data:`MAX_TRIES` hash passes at most. None matching means damage in transit or parts of sizes not
 tried: the caller tells them apart by a second read (damage does not repeat itself bit for bit)
-and, if the two agree, gives that kind of digest up for the source (:meth:`WholeDigests.agreed`).
-Plain ETags are the exception: two reads agreeing against an MD5 mean bytes damaged at rest once
-another object of the source matched its MD5 (the object is corrupt; checking goes on), and a store
-whose ETags are no MD5s only once a second object disagrees so without any having matched (until
-then the object is corrupt too: skipped, it is read again at the pass end).
+and, if the two agree, tells damage at rest from a store whose digests are not what they look like
+(:meth:`WholeDigests.agreed`): once another object of the source matched a digest of that kind, the
+object is damaged at rest (corrupt; checks go on); with none matched, only :data:`NOT_THEIRS_AFTER`
+objects disagreeing so give that kind up for the source (a store whose plain ETags are no MD5s, or
+parts of sizes not guessed), and until then each is corrupt too (skipped, it is read again at the
+pass end). What matched is known per process: a restarted daemon whose first reads are of such
+objects only needs that many of them before it gives a kind up. A whole object whose full-object
+``x-amz-checksum-*`` botocore checked is not checked again (:func:`store_checked`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ MiB = 2**20
 COMMON_PART_SIZES = (8 * MiB, 5 * MiB, 16 * MiB, 50 * MiB, 64 * MiB, 100 * MiB, 128 * MiB, 256 * MiB)
 # Part sizes tried for one multipart digest: each costs a hash pass over the object.
 MAX_TRIES = 4
+# Objects whose two reads agree, not with a kind of digest none has matched, that give the kind up.
+NOT_THEIRS_AFTER = 3
 
 # (spelled in either case, and weak or not, by some S3-compatible stores)
 _ETAG = re.compile(r'^(?:W/)?"?([0-9a-f]{32})(?:-([0-9]+))?"?$', re.IGNORECASE)
@@ -151,14 +156,13 @@ class Verdict(NamedTuple):
 
 class WholeDigests:
     """One source's checks of whole objects against their digests, and what it has learnt of its
-    store: the part size that last matched a multipart digest, whether a plain ETag has matched its
-    object's MD5, the objects whose reads agreed against their plain ETag, and the kinds of digest
-    given up."""
+    store: the part size that last matched a multipart digest, the kinds of digest that matched an
+    object, the objects whose reads agreed against a kind none matched, and the kinds given up."""
 
     def __init__(self) -> None:
         self._part_size: int | None = None
-        self._md5_matched = False
-        self._md5_disagreed: set[str] = set()
+        self._matched: set[str] = set()
+        self._disagreed: dict[str, set[str]] = {}
         self._given_up: set[str] = set()
 
     def check(self, data: bytes, reply: dict[str, Any]) -> Verdict:
@@ -170,7 +174,6 @@ class WholeDigests:
                 continue
             if claim.parts == 0:
                 matched = hashlib.md5(view).hexdigest() == claim.digest
-                self._md5_matched = self._md5_matched or matched
             else:
                 hashes = _part_hashes()
                 part = next((part for part in part_sizes(len(data), claim.parts, self._part_size)
@@ -178,6 +181,8 @@ class WholeDigests:
                 if part is not None:
                     self._part_size = part
                 matched = part is not None
+            if matched:
+                self._matched.add(claim.kind)
             return Verdict(matched, None if matched else claim)
         return Verdict(False, None)
 
@@ -187,33 +192,41 @@ class WholeDigests:
         source ``under``) and the bytes are taken. See the module docstring."""
         if claim.kind in self._given_up:
             return None
-        if claim.parts == 0:
-            if self._md5_matched:
-                return (f"two reads agree, not with its {claim}, which other objects under {under} match: "
-                        "damaged at rest")
-            self._md5_disagreed.add(url)
-            if len(self._md5_disagreed) < 2:
-                return (f"two reads agree, not with its {claim}: damaged at rest, or the store's ETags are no "
-                        "MD5s (told once another object matches its ETag or disagrees so too)")
+        sizes = "" if claim.parts == 0 else ", or uploaded in parts of sizes epochcache does not guess"
+        if claim.kind in self._matched:
+            return (f"two reads agree, not with its {claim}, which other objects under {under} match: damaged at "
+                    f"rest{sizes}")
+        disagreed = self._disagreed.setdefault(claim.kind, set())
+        disagreed.add(url)
+        if len(disagreed) < NOT_THEIRS_AFTER:
+            return (f"two reads agree, not with its {claim}: damaged at rest{sizes}, or the store's "
+                    f"{claim.kind}s are not what they look like (told once another object matches its "
+                    f"{claim.kind}, or {NOT_THEIRS_AFTER} disagree so with none matched)")
         self._given_up.add(claim.kind)
         why = "this store's ETags are not MD5s" if claim.parts == 0 else \
             "its parts are of sizes epochcache does not guess (not one size but the last, or none of the common sizes)"
-        log.warning("%s: two reads agree but not with its %s: %s, so whole objects under %s are not checked by "
-                    "their %s from now on", url, claim, why, under, claim.kind)
+        log.warning("%s: two reads agree but not with its %s, as for %d objects and none matched: %s, so whole "
+                    "objects under %s are not checked by their %s from now on", url, claim, len(disagreed), why,
+                    under, claim.kind)
         return None
+
+
+def store_checked(reply: dict[str, Any]) -> str | None:
+    """The name of a full-object ``x-amz-checksum-*`` in ``reply`` that botocore checks (asked for with
+    ``ChecksumMode``: a mismatch raises), if any: a composite one (``<base64>-<parts>``) it never
+    checks, CRC64NVME and CRC32C only with awscrt."""
+    from botocore.compat import HAS_CRT  # (botocore is loaded by then: the reply came through it)
+
+    return next((name for name in STORE_CHECKSUMS if (value := str(reply.get(f"Checksum{name}") or ""))
+                 and "-" not in value and (HAS_CRT or name not in CRT_ONLY_CHECKSUMS)), None)
 
 
 def unchecked_checksum(reply: dict[str, Any]) -> str | None:
     """The checksum a GetObject reply carries and why neither botocore nor epochcache could check it,
-    if it carries no checksum botocore checked; else None. botocore checks none of a multipart
-    upload's composite checksums (``<base64>-<parts>``), and CRC64NVME and CRC32C only with awscrt
-    installed; epochcache checks the composite ones but CRC32C's without awscrt."""
-    from botocore.compat import HAS_CRT  # (botocore is loaded by then: the reply came through it)
-
+    if it carries none botocore checked (:func:`store_checked`); else None. epochcache checks the
+    composite ones but CRC32C's without awscrt."""
     sent = {name: str(reply[f"Checksum{name}"]) for name in STORE_CHECKSUMS if reply.get(f"Checksum{name}")}
-    checked = [name for name, value in sent.items()
-               if "-" not in value and (HAS_CRT or name not in CRT_ONLY_CHECKSUMS)]
-    if not sent or checked:
+    if not sent or store_checked(reply) is not None:
         return None
     name, value = next(iter(sent.items()))
     if "-" in value:

@@ -28,7 +28,7 @@ import fsspec.asyn
 
 from epochcache.errors import CorruptObjectError
 from epochcache.sources.base import RemoteObject
-from epochcache.sources.digests import WholeDigests, unchecked_checksum
+from epochcache.sources.digests import WholeDigests, store_checked, unchecked_checksum
 from epochcache.sources.retry import RangeMismatchError
 from epochcache.sources.s3errors import precondition_failed, status_of
 from epochcache.sources.versions import VersionPins, changed, names_listed
@@ -65,8 +65,9 @@ class S3Gets:
         docstring)."""
         data, reply = self._sync(end - start, self._get, obj, start, end, whole)
         self._check_reply(obj, reply, start)
-        checked = False
-        if whole and len(data) == obj.size:
+        # (asked for with ChecksumMode, which the store has not refused: botocore checked what it names)
+        checked = self._unranged(obj, start, whole) and self._checksum_mode and store_checked(reply) is not None
+        if whole and len(data) == obj.size and not checked:
             checked, failed = self._digests.check(data, reply)
             if failed is not None:
                 # Damage in transit, or a store whose digests are not what they look like (S3-compatible
@@ -116,9 +117,7 @@ class S3Gets:
         failing every ranged read (botocore asks only where told: ``single_attempt_options``)."""
         bucket, key, _ = self.fs.split_path(obj.path)
         request: dict[str, Any] = {"Bucket": bucket, "Key": key}
-        # (an empty object has no byte to range; a whole one pinned by If-Match cannot grow unseen)
-        unranged = (whole and self.pins.listed_etag(obj)) or (start == 0 and obj.size == 0)
-        if not unranged:
+        if not self._unranged(obj, start, whole):
             request["Range"] = f"bytes={start}-{end - 1}"
         elif self._checksum_mode:
             request["ChecksumMode"] = "ENABLED"
@@ -126,6 +125,11 @@ class S3Gets:
         if pinned and self._if_match:
             request["IfMatch"] = pinned
         return request
+
+    def _unranged(self, obj: RemoteObject, start: int, whole: bool) -> bool:
+        """Whether the read is asked for without a Range: an empty object has no byte to range; a whole
+        one pinned by If-Match cannot grow unseen."""
+        return bool(whole and self.pins.listed_etag(obj)) or (start == 0 and obj.size == 0)
 
     def _sync(self, nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` (a coroutine moving ``nbytes``) run on the filesystem's loop, cancelled once it

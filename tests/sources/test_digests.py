@@ -95,21 +95,26 @@ def test_a_multipart_object_flipped_in_transit_is_corrupt_by_its_etag(
     assert proxy.faults["flip"] == 2, "read twice: damage does not repeat itself bit for bit"
 
 
-def test_parts_of_sizes_not_guessed_are_read_and_said_once(
+def test_parts_of_sizes_not_guessed_are_read_once_three_objects_show_it_and_said_once(
     s3: Any, bucket: str, quirky: Callable[..., FaultProxy], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A first part larger than the second: no one part size gives the ETag. Two reads agree, so the
-    bytes are the object's; the source stops checking multipart ETags (one warning), so the second
-    such object is read once."""
-    odd = [[bytes([n]) * 6 * MiB, bytes([n + 1]) * 5 * MiB, bytes([n + 2]) * 1000] for n in (1, 4)]
-    for name, parts in zip("ab", odd):
+    """First parts larger than the second: no one part size gives the ETags. Two reads of an object
+    agree, which may be damage at rest: the first two such objects are corrupt (read again at the
+    pass end), the third shows the parts to be of sizes not guessed: the source stops checking
+    multipart ETags (one warning), its bytes are taken, and the first is then read once."""
+    odd = [[bytes([n]) * 6 * MiB, bytes([n + 1]) * 5 * MiB, bytes([n + 2]) * 1000] for n in (1, 4, 7)]
+    for name, parts in zip("abc", odd):
         upload_multipart(s3, f"{bucket}/mp/cls/{name}.bin", parts)
     proxy = quirky()
     source = _source(proxy, bucket)
+    a, b, c = source.list_objects()
     with caplog.at_level(logging.WARNING):
-        for obj, parts in zip(source.list_objects(), odd):
+        for obj in (a, b):
+            with pytest.raises(CorruptObjectError, match="damaged at rest, or uploaded in parts of sizes"):
+                source.read(source.units(obj)[0])
+        for obj, parts in ((c, odd[2]), (a, odd[0])):
             assert source.read(source.units(obj)[0])["data"].to_pylist() == [b"".join(parts)]
-    assert len(proxy.object_get_replies) == 3, "a second read of the first object only"
+    assert len(proxy.object_get_replies) == 7, "two reads of each, then one"
     (said,) = [r.message for r in caplog.records]
-    assert "a.bin: two reads agree but not with its multipart ETag" in said
+    assert "c.bin: two reads agree but not with its multipart ETag" in said and "as for 3 objects" in said
     assert "sizes epochcache does not guess" in said

@@ -473,27 +473,30 @@ _NO_FLEXIBLE_CHECKS = {"response_checksum_validation": "when_required"}  # (the 
 def test_a_store_whose_etags_are_not_md5s_is_read_and_said_so(
     s3: Any, bucket: str, s3_endpoint: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Two reads that agree with each other but not with a plain-looking ETag, for two objects and
-    no ETag ever matched: the store's ETags are not MD5s. The first object is corrupt until then (it
-    may be damaged at rest: skipped, it is read again at the pass end), the second's bytes are kept,
-    the source stops checking ETags, and one warning says so."""
-    for name in ("a", "b"):
+    """Two reads that agree with each other but not with a plain-looking ETag, for three objects and
+    no ETag ever matched: the store's ETags are not MD5s. The first two objects are corrupt until
+    then (each may be damaged at rest: skipped, it is read again at the pass end), the third's bytes
+    are kept, the source stops checking ETags, and one warning says so."""
+    names = "abc"
+    for name in names:
         s3.pipe(f"{bucket}/notmd5/cls/{name}.bin", name.encode() * 1000)
-    proxy = FaultProxy(s3_endpoint, rate=0.0, disguise_etags=True)
+    proxy = FaultProxy(s3_endpoint, rate=0.0, disguise_etags=True, refuse_checksum_mode=True)
     try:
         options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url},
                    "config_kwargs": _NO_FLEXIBLE_CHECKS}
         source = ObjectSource(f"s3://{bucket}/notmd5", storage_options=options)
-        first, second = source.list_objects()
-        assert first.etag is not None and hashlib.md5(b"a" * 1000).hexdigest() not in first.etag
-        before = proxy.requests
-        with caplog.at_level(logging.WARNING, logger="epochcache.sources.remote"):
-            with pytest.raises(CorruptObjectError, match="damaged at rest, or the store's ETags are no MD5s"):
-                source.read(source.units(first)[0])
-            assert source.read(source.units(second)[0])["data"].to_pylist() == [b"b" * 1000]
-            assert source.read(source.units(first)[0])["data"].to_pylist() == [b"a" * 1000]  # (its pass-end read)
-        assert proxy.requests - before == 5, "two reads of each object, then one"
-        assert [r.message for r in caplog.records if "are not MD5s" in r.message] and len(caplog.records) == 1
+        objects = source.list_objects()
+        assert objects[0].etag is not None and hashlib.md5(b"a" * 1000).hexdigest() not in objects[0].etag
+        with caplog.at_level(logging.WARNING):
+            for obj in objects[:2]:
+                with pytest.raises(CorruptObjectError, match="damaged at rest, or the store's ETags are not what"):
+                    source.read(source.units(obj)[0])
+            before = proxy.object_gets
+            for obj, name in ((objects[2], "c"), (objects[0], "a")):  # (a's read at the pass end)
+                assert source.read(source.units(obj)[0])["data"].to_pylist() == [name.encode() * 1000]
+        assert proxy.object_gets - before == 3, "two reads of c, then one of a"
+        said = [r.message for r in caplog.records if "are not MD5s" in r.message]
+        assert len(said) == 1 and "c.bin" in said[0]
     finally:
         proxy.close()
 
@@ -508,8 +511,10 @@ def test_an_object_whose_bytes_at_rest_no_longer_match_its_md5_is_corrupt_once_o
         s3.pipe(f"{bucket}/rot/{name}.bin", body)
     stored = hashlib.md5(bodies["b"]).hexdigest().encode()
     uploaded = hashlib.md5(b"b before it rotted").hexdigest().encode()
+    # (and no x-amz-checksum-*, which botocore would check and find the bytes to match: the store's
+    # checksum is of what it holds)
     proxy = quirky(ignore_if_match=True, listing_etag=lambda etag: etag.replace(stored, uploaded),
-                   reply_etag=lambda etag: etag.replace(stored, uploaded))
+                   reply_etag=lambda etag: etag.replace(stored, uploaded), refuse_checksum_mode=True)
     options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url},
                "config_kwargs": _NO_FLEXIBLE_CHECKS}
     source = ObjectSource(f"s3://{bucket}/rot", storage_options=options)
@@ -522,7 +527,7 @@ def test_an_object_whose_bytes_at_rest_no_longer_match_its_md5_is_corrupt_once_o
                                                          ".* match: damaged at rest"):
                 source.read(source.units(b)[0])
         assert source.read(source.units(c)[0])["data"].to_pylist() == [bodies["c"]]
-    assert not caplog.records
+    assert not [r for r in caplog.records if "not MD5s" in r.message]
 
 
 @pytest.mark.parametrize("store", ["honours If-Match", "ignores If-Match"])
@@ -553,3 +558,24 @@ def test_an_object_rewritten_just_before_its_get_is_skipped_not_cut(
         assert proxy.faults["rewrite"] == 1 and s3.size(f"{bucket}/race/part.parquet") == 2 * len(original)
     finally:
         proxy.close()
+
+
+def test_a_whole_object_botocore_checked_by_its_full_object_checksum_is_not_judged_by_its_etag(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An ETag that is no MD5 (SSE-KMS without the header that says so) on a reply whose
+    x-amz-checksum-* botocore checked: the bytes are the store's, read once, never called damaged."""
+    for name in "ab":
+        s3.pipe(f"{bucket}/kms/{name}.bin", name.encode() * 1000)
+    stored = hashlib.md5(b"b" * 1000).hexdigest().encode()
+    opaque = hashlib.md5(b"a KMS data key").hexdigest().encode()
+    proxy = quirky(ignore_if_match=True, listing_etag=lambda etag: etag.replace(stored, opaque),
+                   reply_etag=lambda etag: etag.replace(stored, opaque))
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url}}
+    source = ObjectSource(f"s3://{bucket}/kms", storage_options=options)
+    a, b = source.list_objects()
+    with caplog.at_level(logging.WARNING):
+        for obj, name in ((a, "a"), (b, "b")):
+            assert source.read(source.units(obj)[0])["data"].to_pylist() == [name.encode() * 1000]
+    assert proxy.object_gets == 2 and not caplog.records
+    assert b"x-amz-checksum-crc" in proxy.object_get_replies[-1].lower(), "the store sent a checksum botocore checks"
