@@ -99,12 +99,14 @@ class ObjectSource(FileSource):
 
     def classes(self) -> list[str]:
         """The sorted names of the folders directly under the URL (``labels: folder``): ``label``
-        ``i`` is ``classes()[i]``. Listed once (one request), then fixed for the source's life."""
+        ``i`` is ``classes()[i]``. Listed once (one request), then fixed for the source's life. Only
+        folders under the URL count: a store that ignores a listing's prefix lists its bucket's."""
         if self._classes is None:
             root = self._remote.root.rstrip("/")
             entries = self._remote.fs.ls(root, detail=True)
-            self._classes = sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries
-                                   if e.get("type") == "directory")
+            self._classes = sorted(posixpath.basename(name) for name in (e["name"].rstrip("/") for e in entries
+                                                                          if e.get("type") == "directory")
+                                   if posixpath.dirname(name) == root)
         return self._classes
 
     def _class_of(self, obj: RemoteObject) -> str:

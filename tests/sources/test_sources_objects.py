@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import fsspec
 import pyarrow as pa
 import pytest
 from conftest import UnitLog
+from faultproxy import FaultProxy
 
 from epochcache.config import SourceConfig
 from epochcache.errors import CorruptObjectError, ObjectMissingError, SourceError
@@ -114,3 +116,17 @@ def test_the_daemon_caches_one_sample_per_object(tmp_path: Path, make_config: An
                                                    "cache.max_bytes": "10MB", "cache.shard_bytes": "64KiB"})
     report = log.daemon(config).run(once=True)
     assert report.samples_published == len(IMAGES) and len(set(log.published)) == len(IMAGES)
+
+
+def test_a_store_that_ignores_the_prefix_never_makes_a_class_of_a_folder_outside_the_url(
+    s3: Any, bucket: str, quirky: Callable[..., FaultProxy]
+) -> None:
+    """Its listing of the URL's folders is of the bucket's: a folder beside the URL (``ant/``) must not
+    become class 0 and shift every label; the source's own folders are all it takes."""
+    for name, data in {"ant/1.jpg": b"x", **{f"imgs/{k}": v for k, v in IMAGES.items()}}.items():
+        s3.pipe(f"{bucket}/{name}", data)
+    proxy = quirky(listing_ignores=("prefix",))
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url}}
+    source = open_source(SourceConfig(url=f"s3://{bucket}/imgs", format="objects", labels="folder",
+                                      storage_options=options))
+    assert "ant" not in source.classes()  # type: ignore[attr-defined]
