@@ -55,6 +55,10 @@ class SkipBook:
         """Units (or whole objects) this run skipped and did not read afterwards."""
         return len(self._unread)
 
+    def failing(self, key: str) -> bool:
+        """Whether ``key`` (a unit's) was skipped by this run and has not been read since."""
+        return key in self._unread
+
     def skipped_objects(self, pass_: int) -> set[str]:
         """Keys of the skip records of ``pass_`` (``<path>#*`` for an object whose metadata failed)."""
         return {key for key, info in self.ledger.daemon.skipped().items() if info.get("pass") == pass_}

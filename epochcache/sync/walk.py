@@ -131,7 +131,9 @@ class Walk:
             stream.totals[pass_] = len(sampler.node_objects(pass_))
             fetching = False
             for unit, after in sampler.walk(cursor):
-                fetching = fetching or not self.claims.taken(unit.key)
+                # (a unit that failed for good is read again each pass, but would keep an idle remote
+                # listed every few seconds: it waits for the next listing like the cached ones)
+                fetching = fetching or not (self.claims.taken(unit.key) or self.skips.failing(unit.key))
                 yield unit, after
             cursor = cursor.next_pass()
             # (set before the pass end is handed on: the walk waits before this generator lists the

@@ -314,3 +314,30 @@ def test_an_idle_daemon_reads_an_object_added_while_it_waits_once_the_wait_is_ov
     finally:
         ledger.close()
         daemon.stop()
+
+
+@pytest.mark.slow  # (11 s: two idle waits)
+def test_a_unit_that_fails_for_good_does_not_keep_an_idle_daemon_listing(
+    remote: str, make_config: Callable[..., Config], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A damaged object, read again (and failing) at every pass, must not count as work left: the
+    daemon still waits 5 s, then 10 s, between listings of a remote otherwise cached."""
+    caplog.set_level(logging.INFO, logger="epochcache.sync.walk")
+    with fsspec.open(f"{remote}/part-bad.parquet", "wb") as f:  # (its footer intact, a page damaged)
+        pq.write_table(make_table(ROWS_PER_GROUP, 10**6), f, write_page_checksum=True, compression="none")
+    with fsspec.open(f"{remote}/part-bad.parquet", "rb") as f:
+        damaged = bytearray(f.read())
+    damaged[len(damaged) // 4] ^= 0xFF
+    with fsspec.open(f"{remote}/part-bad.parquet", "wb") as f:
+        f.write(bytes(damaged))
+    config = make_config(remote, **ROOMY, **{"sampler.backoff_s": 0.001, "sampler.backoff_max_s": 0.01})
+    daemon = DaemonThread(SyncDaemon(config, progress=False))
+    try:
+        def idle() -> list[str]:
+            return [m for m in caplog.messages if "listing it again in" in m]
+
+        wait_for(lambda: len(idle()) >= 2, timeout=60)
+        assert idle()[0].endswith("in 5s") and idle()[1].endswith("in 10s")
+        assert any("part-bad.parquet#0" in m for m in caplog.messages), "its unit was tried, and failed"
+    finally:
+        daemon.stop()
