@@ -125,6 +125,18 @@ class DaemonState:
         with self._db.read() as con:
             return {unit: json.loads(info) for unit, info in con.execute("SELECT unit, info FROM skipped")}
 
+    def digests_matched(self, url: str) -> list[str]:
+        """The kinds of digest (``ETag``, ``multipart ETag``, ``CRC32`` ...) that matched a whole object
+        of the source at ``url``, in any run (:mod:`epochcache.sources.digests`)."""
+        return list((self._db.get("digests_matched") or {}).get(url, []))
+
+    def remember_digest(self, url: str, kind: str) -> None:
+        with self._db.write() as con:
+            matched = kv(con, "digests_matched") or {}
+            if kind not in matched.setdefault(url, []):
+                matched[url].append(kind)
+                set_kv(con, "digests_matched", matched)
+
     def set_skipped(self, unit_key: str, info: dict[str, Any]) -> None:
         with self._db.write() as con:
             con.execute("INSERT OR REPLACE INTO skipped VALUES (?, ?)", (unit_key, json.dumps(info)))

@@ -14,6 +14,7 @@ from epochcache.sources.base import KEY_COLUMN, RemoteObject, Source, Unit
 if TYPE_CHECKING:
     from epochcache.config import SamplerConfig, SourceConfig
     from epochcache.sources.arrow import ArrowSource
+    from epochcache.sources.digests import DigestMemory
     from epochcache.sources.footers import FooterStore
     from epochcache.sources.objects import ObjectSource
     from epochcache.sources.parquet import ParquetSource
@@ -42,7 +43,8 @@ def __getattr__(name: str) -> Any:
 
 
 def open_source(
-    config: SourceConfig, sampler: SamplerConfig | None = None, footers: FooterStore | None = None
+    config: SourceConfig, sampler: SamplerConfig | None = None, footers: FooterStore | None = None,
+    digests: DigestMemory | None = None,
 ) -> Source:
     """Build the source that ``config.format`` names (validated by the config model), with the
     daemon's read settings from ``sampler`` (defaults if None): one attempt per request within
@@ -50,7 +52,8 @@ def open_source(
     ``max_sample_bytes`` (a tar member, an object) refused as corrupt; Arrow IPC and Parquet objects
     up to ``whole_object_bytes`` read whole (:mod:`epochcache.sources.wholes`), a mixing window's worth
     (``mix_units`` of them) held, within ``max_inflight_bytes``; Arrow IPC and Parquet footers kept in
-    ``footers`` (None: only the last few hundred, in memory)."""
+    ``footers`` (None: only the last few hundred, in memory); the kinds of digest that matched a
+    whole object kept in ``digests`` across runs (:mod:`epochcache.sources.digests`; None: per process)."""
     from epochcache.config import SamplerConfig
     from epochcache.sources.arrow import ArrowSource
     from epochcache.sources.objects import ObjectSource
@@ -63,10 +66,10 @@ def open_source(
     sample_bytes = int(sampler.max_sample_bytes)
     if config.format == "objects":
         return ObjectSource(config.url, columns=config.columns, storage_options=options, labels=config.labels,
-                            max_sample_bytes=sample_bytes)
+                            max_sample_bytes=sample_bytes, digests=digests)
     if config.format == "webdataset":
         return WebDatasetSource(config.url, columns=config.columns, storage_options=options,
-                                max_sample_bytes=sample_bytes)
+                                max_sample_bytes=sample_bytes, digests=digests)
     # Held: one mixing window of objects read whole (every unit of theirs is read within it), within
     # max_inflight_bytes: objects are read whole only up to the size at which a window fits (with
     # mix_units auto, a window may be 1024 objects).
@@ -74,5 +77,7 @@ def open_source(
     whole_bytes = min(int(sampler.whole_object_bytes), int(sampler.max_inflight_bytes) // window)
     whole = {"whole_object_bytes": whole_bytes, "keep_bytes": window * whole_bytes}
     if config.format == "arrow":
-        return ArrowSource(config.url, columns=config.columns, storage_options=options, footers=footers, **whole)
-    return ParquetSource(config.url, columns=config.columns, storage_options=options, footers=footers, **whole)
+        return ArrowSource(config.url, columns=config.columns, storage_options=options, footers=footers,
+                           digests=digests, **whole)
+    return ParquetSource(config.url, columns=config.columns, storage_options=options, footers=footers,
+                         digests=digests, **whole)

@@ -28,6 +28,7 @@ import pyarrow as pa
 
 from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import RemoteObject, Unit
+from epochcache.sources.digests import DigestMemory
 from epochcache.sources.files import FileSource
 from epochcache.sources.footers import FooterStore
 from epochcache.sources.remote import blank_image
@@ -53,9 +54,9 @@ class ArrowSource(FileSource):
     def __init__(
         self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None,
         whole_object_bytes: int = WHOLE_OBJECT_BYTES, keep_bytes: int = KEEP_BYTES,
-        footers: FooterStore | None = None,
+        footers: FooterStore | None = None, digests: DigestMemory | None = None,
     ) -> None:
-        super().__init__(url, columns, storage_options, footers)
+        super().__init__(url, columns, storage_options, footers, digests)
         self._footer = self._footer_cache(self._read_footer)
         self._wholes = WholeObjects(self._remote, self._checked_footer, whole_object_bytes, keep_bytes)
 

@@ -21,8 +21,9 @@ and, if the two agree, tells damage at rest from a store whose digests are not w
 object is damaged at rest (corrupt; checks go on); with none matched, only :data:`NOT_THEIRS_AFTER`
 objects disagreeing so give that kind up for the source (a store whose plain ETags are no MD5s, or
 parts of sizes not guessed), and until then each is corrupt too (skipped, it is read again at the
-pass end). What matched is known per process: a restarted daemon whose first reads are of such
-objects only needs that many of them before it gives a kind up. A whole object whose full-object
+pass end). What matched is remembered across runs where a :class:`DigestMemory` is given (the daemon keeps it
+in its ledger): a restarted daemon whose first whole reads are of objects damaged at rest still
+knows the store's digests to be what they look like. A whole object whose full-object
 ``x-amz-checksum-*`` botocore checked is not checked again (:func:`store_checked`).
 """
 
@@ -34,8 +35,8 @@ import hashlib
 import logging
 import re
 import zlib
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable, Collection, Iterator
+from typing import Any, NamedTuple, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -154,14 +155,26 @@ class Verdict(NamedTuple):
     failed: Claim | None
 
 
+class DigestMemory(Protocol):
+    """Where a source's kinds of digest that matched an object are kept across runs."""
+
+    def matched(self) -> Collection[str]:
+        """The kinds that matched an object of the source before (in any run)."""
+
+    def remember(self, kind: str) -> None:
+        """Keep that ``kind`` matched an object of the source (called once per kind and process)."""
+
+
 class WholeDigests:
     """One source's checks of whole objects against their digests, and what it has learnt of its
     store: the part size that last matched a multipart digest, the kinds of digest that matched an
-    object, the objects whose reads agreed against a kind none matched, and the kinds given up."""
+    object (from ``memory`` too, and kept there), the objects whose reads agreed against a kind none
+    matched, and the kinds given up."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory: DigestMemory | None = None) -> None:
+        self._memory = memory
         self._part_size: int | None = None
-        self._matched: set[str] = set()
+        self._matched: set[str] = set(memory.matched()) if memory is not None else set()
         self._disagreed: dict[str, set[str]] = {}
         self._given_up: set[str] = set()
 
@@ -181,8 +194,10 @@ class WholeDigests:
                 if part is not None:
                     self._part_size = part
                 matched = part is not None
-            if matched:
+            if matched and claim.kind not in self._matched:
                 self._matched.add(claim.kind)
+                if self._memory is not None:
+                    self._memory.remember(claim.kind)
             return Verdict(matched, None if matched else claim)
         return Verdict(False, None)
 

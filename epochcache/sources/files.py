@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 from epochcache.arrays import numbers, text
 from epochcache.errors import SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject
+from epochcache.sources.digests import DigestMemory
 from epochcache.sources.footers import FooterStore
 from epochcache.sources.pool import ROWS_POOL
 from epochcache.sources.remote import RemoteFiles
@@ -47,7 +48,7 @@ class FileSource:
 
     def __init__(
         self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None,
-        footers: FooterStore | None = None,
+        footers: FooterStore | None = None, digests: DigestMemory | None = None,
     ) -> None:
         if columns is not None and not columns:
             raise SourceError(
@@ -55,7 +56,7 @@ class FileSource:
             )
         self.url = url
         self.columns = list(columns) if columns is not None else None
-        self._remote = RemoteFiles(url, storage_options)
+        self._remote = RemoteFiles(url, storage_options, digests)
         self._footers = footers if self._remote.is_s3 else None
         self._parsed: Any = None  # see _footer_cache
 

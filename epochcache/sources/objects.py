@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from epochcache.arrays import binaries, numbers, texts
 from epochcache.errors import CorruptObjectError, SourceError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
+from epochcache.sources.digests import DigestMemory
 from epochcache.sources.files import FileSource
 
 LABELS_FROM_FOLDER = "folder"
@@ -53,8 +54,9 @@ class ObjectSource(FileSource):
         storage_options: dict[str, Any] | None = None,
         labels: str | None = None,
         max_sample_bytes: int = 256 * 2**20,
+        digests: DigestMemory | None = None,
     ) -> None:
-        super().__init__(url, columns, storage_options)
+        super().__init__(url, columns, storage_options, digests=digests)
         self.max_sample_bytes = max_sample_bytes
         self._labels_from = labels
         self._sidecar_path: str | None = None

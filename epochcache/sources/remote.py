@@ -36,6 +36,7 @@ import fsspec
 
 from epochcache.errors import CorruptObjectError, ObjectDeniedError, ObjectMissingError, SourceError
 from epochcache.sources.base import RemoteObject
+from epochcache.sources.digests import DigestMemory
 from epochcache.sources.retry import TruncatedReadError, describe
 from epochcache.sources.s3errors import (
     checksum_error,
@@ -73,7 +74,8 @@ def blank_image(size: int) -> mmap.mmap:
 class RemoteFiles:
     """An fsspec filesystem rooted at ``url``: a file, or a folder searched recursively."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
+                 digests: DigestMemory | None = None) -> None:
         self.url = url
         self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         if hasattr(self.fs, "retries"):  # s3fs's own retry loop: attempts are counted in epochcache.sources.retry
@@ -81,7 +83,7 @@ class RemoteFiles:
         protocols = _protocols(self.fs)
         self.is_s3 = "s3" in protocols
         self.local = bool({"file", "local"} & set(protocols))
-        self._s3 = S3Gets(self.fs, VersionPins(), url, self._url) if self.is_s3 else None
+        self._s3 = S3Gets(self.fs, VersionPins(), url, self._url, digests) if self.is_s3 else None
         self._read_any = False  # a read of this source succeeded: a refused object is that object's, not ours
         self._denied: set[str] = set()  # paths refused (403, or another 4xx or a 501) so far
         self._tls: bool | None = None  # S3 over https (see over_tls), known once the client is made

@@ -28,7 +28,7 @@ import fsspec.asyn
 
 from epochcache.errors import CorruptObjectError
 from epochcache.sources.base import RemoteObject
-from epochcache.sources.digests import WholeDigests, store_checked, unchecked_checksum
+from epochcache.sources.digests import DigestMemory, WholeDigests, store_checked, unchecked_checksum
 from epochcache.sources.retry import RangeMismatchError
 from epochcache.sources.s3errors import precondition_failed, status_of
 from epochcache.sources.versions import VersionPins, changed, names_listed
@@ -52,9 +52,12 @@ class S3Gets:
     """The GETs of one S3 source, through ``fs`` (s3fs), pinned by ``pins``; ``url_of`` names a path in
     messages. Errors pass through raw, for :class:`~epochcache.sources.remote.RemoteFiles` to translate."""
 
-    def __init__(self, fs: Any, pins: VersionPins, url: str, url_of: Callable[[str], str]) -> None:
+    def __init__(self, fs: Any, pins: VersionPins, url: str, url_of: Callable[[str], str],
+                 digests: DigestMemory | None = None) -> None:
+        """``digests``: where the kinds of digest that matched are kept across runs (see
+        :mod:`epochcache.sources.digests`)."""
         self.fs, self.pins, self.url, self._url = fs, pins, url, url_of
-        self._digests = WholeDigests()  # what the store's digests of whole objects are (see read)
+        self._digests = WholeDigests(digests)  # what the store's digests of whole objects are (see read)
         self._if_match = True  # until the store refuses an unchanged object's ETag (see _get_object)
         self._checksum_mode = True  # until the store refuses x-amz-checksum-mode (see _get_object)
         self._said_unchecked = False  # see read

@@ -21,6 +21,7 @@ import pyarrow as pa
 from epochcache.arrays import binaries, texts
 from epochcache.errors import CorruptObjectError
 from epochcache.sources.base import KEY_COLUMN, RemoteObject, Unit
+from epochcache.sources.digests import DigestMemory
 from epochcache.sources.files import FileSource
 
 _SUFFIXES = (".tar",)
@@ -35,9 +36,9 @@ class WebDatasetSource(FileSource):
 
     def __init__(
         self, url: str, columns: Sequence[str] | None = None, storage_options: dict[str, Any] | None = None,
-        max_sample_bytes: int = 256 * 2**20,
+        max_sample_bytes: int = 256 * 2**20, digests: DigestMemory | None = None,
     ) -> None:
-        super().__init__(url, columns, storage_options)
+        super().__init__(url, columns, storage_options, digests=digests)
         self.max_sample_bytes = max_sample_bytes
 
     def units(self, obj: RemoteObject) -> list[Unit]:

@@ -56,6 +56,7 @@ from epochcache.sources.footers import FooterStore, daemon_store
 from epochcache.sources.retry import Retrier
 from epochcache.sync.assembly import Building, screen
 from epochcache.sync.claims import Claims
+from epochcache.sync.digest_memory import LedgerDigests
 from epochcache.sync.identity import DatasetBinding, resume_position
 from epochcache.sync.intake import Intake, Throttle
 from epochcache.sync.memory import frozen_heap
@@ -122,8 +123,8 @@ class SyncDaemon:
                 # (the ledger's share is taken at the start: it grows a little as the cache fills, and
                 # the publisher's own check stays the last word)
                 unit_room = cache.shard_budget() - ledger.disk_bytes() - PUBLISH_GROWTH
-                streams = [Stream(cfg, open_source(cfg, self.config.sampler, footers), largest_unit=unit_room)
-                           for cfg in self.config.sources]
+                streams = [Stream(cfg, open_source(cfg, self.config.sampler, footers, LedgerDigests(ledger, cfg.url)),
+                                  largest_unit=unit_room) for cfg in self.config.sources]
                 return _Run(self, ledger, streams, stop, once).execute()
             finally:
                 if footers is not None:
