@@ -270,6 +270,15 @@ def test_an_empty_cache_gets_a_one_unit_first_shard(remote: str, make_config: Ca
     assert rest and all(len(record.units) > 1 for record in rest[:-1]), "then shards fill to cache.shard_bytes"
 
 
+def _waits_5_then_10_s(caplog: pytest.LogCaptureFixture) -> None:
+    """Wait for the walk's first two idle waits, which must be of 5 s, then 10 s."""
+    def idle() -> list[str]:
+        return [m for m in caplog.messages if "listing it again in" in m]
+
+    wait_for(lambda: len(idle()) >= 2, timeout=60)
+    assert idle()[0].endswith("in 5s") and idle()[1].endswith("in 10s")
+
+
 @pytest.mark.slow  # (15 s: two idle waits, of 5 s and 10 s)
 def test_an_idle_daemon_lists_ever_less_often_yet_refills_at_once_a_shard_let_go(
     remote: str, make_config: Callable[..., Config], caplog: pytest.LogCaptureFixture
@@ -282,11 +291,7 @@ def test_an_idle_daemon_lists_ever_less_often_yet_refills_at_once_a_shard_let_go
     daemon = DaemonThread(SyncDaemon(config, progress=False))
     ledger = _ledger(config)
     try:
-        def idle() -> list[str]:
-            return [m for m in caplog.messages if "listing it again in" in m]
-
-        wait_for(lambda: len(idle()) >= 2, timeout=60)
-        assert idle()[0].endswith("in 5s") and idle()[1].endswith("in 10s")
+        _waits_5_then_10_s(caplog)
         victim = ledger.shards()[0]
         assert ledger.quarantine.add(victim.id, "damaged") is not None
         wait_for(lambda: ledger.cached_units(victim.units) == set(victim.units), timeout=8.0)
@@ -333,11 +338,7 @@ def test_a_unit_that_fails_for_good_does_not_keep_an_idle_daemon_listing(
     config = make_config(remote, **ROOMY, **{"sampler.backoff_s": 0.001, "sampler.backoff_max_s": 0.01})
     daemon = DaemonThread(SyncDaemon(config, progress=False))
     try:
-        def idle() -> list[str]:
-            return [m for m in caplog.messages if "listing it again in" in m]
-
-        wait_for(lambda: len(idle()) >= 2, timeout=60)
-        assert idle()[0].endswith("in 5s") and idle()[1].endswith("in 10s")
+        _waits_5_then_10_s(caplog)
         assert any("part-bad.parquet#0" in m for m in caplog.messages), "its unit was tried, and failed"
     finally:
         daemon.stop()
