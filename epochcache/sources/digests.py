@@ -229,11 +229,19 @@ class WholeDigests:
 def store_checked(reply: dict[str, Any]) -> str | None:
     """The name of a full-object ``x-amz-checksum-*`` in ``reply`` that botocore checks (asked for with
     ``ChecksumMode``: a mismatch raises), if any: a composite one (``<base64>-<parts>``) it never
-    checks, CRC64NVME and CRC32C only with awscrt."""
-    from botocore.compat import HAS_CRT  # (botocore is loaded by then: the reply came through it)
-
+    checks, CRC32C only with awscrt, CRC64NVME only with awscrt 0.23.4 or later."""
     return next((name for name in STORE_CHECKSUMS if (value := str(reply.get(f"Checksum{name}") or ""))
-                 and "-" not in value and (HAS_CRT or name not in CRT_ONLY_CHECKSUMS)), None)
+                 and "-" not in value and _botocore_checks(name)), None)
+
+
+def _botocore_checks(name: str) -> bool:
+    """Whether botocore computes checksum ``name`` (as botocore.httpchecksum decides at its import)."""
+    from botocore import compat  # (botocore is loaded by then: the reply came through it)
+
+    if name == "CRC64NVME":
+        minimum = getattr(compat, "has_minimum_crt_version", None)
+        return bool(compat.HAS_CRT and minimum is not None and minimum((0, 23, 4)))
+    return compat.HAS_CRT or name not in CRT_ONLY_CHECKSUMS
 
 
 def unchecked_checksum(reply: dict[str, Any]) -> str | None:

@@ -24,6 +24,7 @@ import logging
 import re
 from datetime import datetime
 from typing import Any
+from urllib.parse import unquote_plus
 from xml.sax.saxutils import unescape
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ _SIZE = re.compile(rb"<Size>(.*?)</Size>|<Size\s*/>", re.S)
 _MODIFIED = re.compile(rb"<LastModified>(.*?)</LastModified>|<LastModified\s*/>", re.S)
 _TRUNCATED = re.compile(rb"(<IsTruncated>)(.*?)(</IsTruncated>)", re.S)
 _COUNT = re.compile(rb"\s*[0-9]+\s*")
+_S3_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]+)?(?:Z|[+-][0-9]{2}:[0-9]{2})")
 _XML_QUOTES = {"&quot;": '"', "&apos;": "'"}
 
 
@@ -55,12 +57,15 @@ def mend_page(response_dict: dict[str, Any], customized_response_dict: dict[str,
     if response_dict.get("status_code") != 200 or not isinstance(body, bytes) or _in_spec(body):
         return
     left_out: list[tuple[str, str | None]] = []
+    # (botocore asks for url-encoded keys, and decodes those it parses: these it will not see)
+    encoded = b"<EncodingType>url</EncodingType>" in body
 
     def entry(match: re.Match[bytes]) -> bytes:
         text = match.group(0)
         key, size = _KEY.search(text), _SIZE.search(text)
         if key is None or size is None or size.group(1) is None or not _COUNT.fullmatch(size.group(1)):
-            left_out.append((_text(key.group(1)) if key else "?", _text(size.group(1) or b"") if size else None))
+            name = _text(key.group(1)) if key else "?"
+            left_out.append((unquote_plus(name) if encoded else name, _text(size.group(1) or b"") if size else None))
             if key is None:
                 return b""
             if size is not None:
@@ -103,11 +108,12 @@ def _time(value: bytes | None) -> bool:
     if not value:
         return False
     text = _text(value).strip()
-    try:
-        datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-        return True
-    except ValueError:
-        pass
+    if _S3_TIME.fullmatch(text):  # (not every ISO form Python reads: botocore refuses 2023-W01-1)
+        try:
+            datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+            return True
+        except ValueError:
+            pass
     from botocore.utils import parse_timestamp  # (botocore is loaded by then: the reply came through it)
 
     try:

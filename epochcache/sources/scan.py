@@ -177,7 +177,10 @@ def _s3_pages(remote: RemoteFiles, page_size: int) -> Iterator[list[RemoteObject
             outside = next(e["Key"] for e in fresh if not e["Key"].startswith(prefix))
             log.warning("%s: the store lists %d key(s) outside the prefix %r, e.g. %r: left out (it ignores the "
                         "listing's prefix)", remote.url, len(fresh) - len(entries), prefix, outside)
-        page = {e["Key"]: e for e in entries if e["Key"] not in before}  # (each key once, as first listed)
+        page: dict[str, dict[str, Any]] = {}
+        for entry in entries:  # each key once, as first listed
+            if entry["Key"] not in before:
+                page.setdefault(entry["Key"], entry)
         before = {e["Key"] for e in fresh}
         # A key ending in "/" is a folder marker (the S3 console makes them), never data.
         objects, bad = _sized([(f"{bucket}/{name}", e.get("Size"), etag_of(e))

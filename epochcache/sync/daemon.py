@@ -123,7 +123,7 @@ class SyncDaemon:
                 # (the ledger's share is taken at the start: it grows a little as the cache fills, and
                 # the publisher's own check stays the last word)
                 unit_room = cache.shard_budget() - ledger.disk_bytes() - PUBLISH_GROWTH
-                streams = [Stream(cfg, open_source(cfg, self.config.sampler, footers, LedgerDigests(ledger, cfg.url)),
+                streams = [Stream(cfg, open_source(cfg, self.config.sampler, footers, LedgerDigests(ledger, cfg)),
                                   largest_unit=unit_room) for cfg in self.config.sources]
                 return _Run(self, ledger, streams, stop, once).execute()
             finally:

@@ -7,19 +7,31 @@ reads agree against its ETag is damaged at rest, whatever the objects read first
 
 from __future__ import annotations
 
+import logging
+
 from epochcache.cache.ledger import Ledger
-from epochcache.sync.notes import note
+from epochcache.config import SourceConfig
+from epochcache.errors import LedgerError
+
+log = logging.getLogger(__name__)
 
 
 class LedgerDigests:
-    """The :class:`~epochcache.sources.digests.DigestMemory` of the source at ``url`` in ``ledger``
-    (a write that a full disk refuses is dropped with a warning: the kind is learnt again)."""
+    """The :class:`~epochcache.sources.digests.DigestMemory` of the source ``config`` names, in ``ledger``:
+    kept by its URL and endpoint (the same URL of another store is another source), forgotten with
+    the ledger (``epochcache clear``). A write the ledger fails, a full disk say, is dropped with a
+    warning: the kind is learnt again."""
 
-    def __init__(self, ledger: Ledger, url: str) -> None:
-        self._ledger, self._url = ledger, url
+    def __init__(self, ledger: Ledger, config: SourceConfig) -> None:
+        endpoint = (config.storage_options.get("client_kwargs") or {}).get("endpoint_url")
+        self._ledger, self._url = ledger, config.url if endpoint is None else f"{config.url} at {endpoint}"
 
     def matched(self) -> list[str]:
         return self._ledger.daemon.digests_matched(self._url)
 
     def remember(self, kind: str) -> None:
-        note(self._ledger.daemon.remember_digest, self._url, kind)
+        # (on a read's thread, its bytes checked: a ledger that fails this write fails no read)
+        try:
+            self._ledger.daemon.remember_digest(self._url, kind)
+        except LedgerError as exc:
+            log.warning("not recorded that %s's %ss match its objects: %s", self._url, kind, exc)

@@ -59,6 +59,12 @@ class SkipBook:
         """Whether ``key`` (a unit's) was skipped by this run and has not been read since."""
         return key in self._unread
 
+    def read(self, key: str) -> None:
+        """``key`` (a unit's) was read: no longer unread, its skip record (of a pass before) dropped."""
+        if key in self._unread:
+            self._unread.discard(key)
+            note(self.ledger.daemon.drop_skipped, key)
+
     def skipped_objects(self, pass_: int) -> set[str]:
         """Keys of the skip records of ``pass_`` (``<path>#*`` for an object whose metadata failed)."""
         return {key for key, info in self.ledger.daemon.skipped().items() if info.get("pass") == pass_}

@@ -83,6 +83,7 @@ class FetchWindow:
             self.claims.release(unit.key)
             self.skips.skip(stream, after.cursors[stream.name].pass_, unit.key, unit.obj, unit.index, exc)
             return stream, unit, after, None
+        self.skips.read(unit.key)
         return stream, unit, after, self.intake.take(stream, unit, table)
 
 

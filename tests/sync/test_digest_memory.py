@@ -12,6 +12,7 @@ import pytest
 from faultproxy import FaultProxy
 
 from epochcache import Ledger
+from epochcache.config import SourceConfig
 from epochcache.errors import CorruptObjectError
 from epochcache.sources import ObjectSource
 from epochcache.sync.digest_memory import LedgerDigests
@@ -35,14 +36,16 @@ def test_a_new_run_knows_the_stores_etags_matched_before(
     options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": proxy.url},
                "config_kwargs": {"response_checksum_validation": "when_required"}}  # (asked for by us alone)
     url = f"s3://{bucket}/rot"
+    config = SourceConfig(url=url, format="objects", storage_options=options)
     ledger = Ledger(tmp_path / "ledger")
     try:
-        first = ObjectSource(url, storage_options=options, digests=LedgerDigests(ledger, url))
+        first = ObjectSource(url, storage_options=options, digests=LedgerDigests(ledger, config))
         a = first.list_objects()[0]
         assert first.read(first.units(a)[0])["data"].to_pylist() == [bodies["a"]]
-        assert ledger.daemon.digests_matched(url) == ["ETag"]
+        assert ledger.daemon.digests_matched(f"{url} at {proxy.url}") == ["ETag"]
+        assert ledger.daemon.digests_matched(url) == [], "kept by URL and endpoint"
 
-        restarted = ObjectSource(url, storage_options=options, digests=LedgerDigests(ledger, url))
+        restarted = ObjectSource(url, storage_options=options, digests=LedgerDigests(ledger, config))
         for obj in restarted.list_objects()[1:]:  # three of them: a store-wide give-up without the memory
             with pytest.raises(CorruptObjectError, match="which other objects under .* match: damaged at rest"):
                 restarted.read(restarted.units(obj)[0])
