@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from epochcache.cache.verifier import BackgroundVerifier
+from epochcache.threads import DaemonThreadPool
 from epochcache.train.distributed import Peers
 from epochcache.train.epochs import EpochBuilder, EpochInfo, PreparedEpoch
 from epochcache.train.leases import HeldLeases
@@ -53,8 +54,11 @@ class EpochTurnover:
         self.next: tuple[int, Future[PreparedEpoch]] | None = None
         self.unstarted: Future[PreparedEpoch] | None = None  # the next epoch, until queued on the worker pool
         self._retiring: PreparedEpoch | None = None  # the last epoch, done but its batch source not yet stopped
-        self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-prepare")
-        self._cleanup_pool = ThreadPoolExecutor(1, thread_name_prefix="epochcache-cleanup")
+        # DaemonThreadPools, whose threads keep their pool: a ThreadPoolExecutor collected with an
+        # abandoned loader tells its thread to exit, and the epoch the collector finalizes next hands
+        # that thread its record and waits for it, hanging the collection (and exit) for good.
+        self._prepare_pool = DaemonThreadPool(1, "epochcache-prepare")
+        self._cleanup_pool = DaemonThreadPool(1, "epochcache-cleanup")
 
     def take(self, epoch: int, resume: Progress | None) -> PreparedEpoch:
         """Epoch ``epoch``: the one prepared ahead if it is that one and still good to read (on every

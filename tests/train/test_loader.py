@@ -74,24 +74,29 @@ def test_no_shuffle_and_drop_last(synced: Config) -> None:
 def test_lease_held_during_epoch_and_released_after(synced: Config) -> None:
     ledger = Ledger(CacheLayout(Path(synced.cache.dir)).ledger)
     loader = EpochCachedLoader(synced.cache.dir, batch_size=32, prepare_next_at=1.0)
-    for i, _ in enumerate(loader):
-        if i == 0:
-            leases = ledger.leases.live()
-            assert len(leases) == 1 and len(leases[0]["shards"]) == loader.last_epoch.shards
-            finished = leases[0]["id"]
-    # after the epoch, its lease is kept (its batch source is stopped later, off the next epoch's
-    # first batch) beside the next epoch's, prepared in the background
-    live = ledger.leases.live
-    next_epoch = wait_for(lambda: [lease["id"] for lease in live() if lease["id"] != finished], timeout=10)[0]
-    assert finished in [lease["id"] for lease in ledger.leases.live()]
-    epoch = iter(loader)
-    next(epoch)
-    assert finished in [lease["id"] for lease in ledger.leases.live()]  # kept while the first batch is in use
-    next(epoch)
-    # once the trainer comes back from the next epoch's first batch, the finished epoch's lease is released
-    wait_for(lambda: [lease["id"] for lease in ledger.leases.live()] == [next_epoch], timeout=10)
-    epoch.close()
-    loader.close()
+    try:
+        for i, _ in enumerate(loader):
+            if i == 0:
+                leases = ledger.leases.live()
+                assert len(leases) == 1 and len(leases[0]["shards"]) == loader.last_epoch.shards
+                finished = leases[0]["id"]
+        # after the epoch, its lease is kept (its batch source is stopped later, off the next epoch's
+        # first batch) beside the next epoch's, prepared in the background (built: an epoch still being
+        # built when it is taken retires the last one at once, see Turnover.take)
+        prepared = loader._turnover.next
+        assert prepared is not None
+        wait_for(prepared[1].done, timeout=10)
+        next_epoch = prepared[1].result().lease.id
+        assert {lease["id"] for lease in ledger.leases.live()} == {finished, next_epoch}
+        epoch = iter(loader)
+        next(epoch)
+        assert finished in [lease["id"] for lease in ledger.leases.live()]  # kept while the first batch is in use
+        next(epoch)
+        # once the trainer comes back from the next epoch's first batch, the finished epoch's lease is released
+        wait_for(lambda: [lease["id"] for lease in ledger.leases.live()] == [next_epoch], timeout=10)
+        epoch.close()
+    finally:
+        loader.close()
     assert ledger.leases.live() == []
     ledger.close()
 
@@ -340,9 +345,33 @@ def test_an_error_while_building_a_batch_reaches_the_training_loop(synced: Confi
 
 def test_batch_threads_are_reused_across_epochs(synced: Config) -> None:
     """A thread that ends stalls the consumer at the epoch boundary, so epochs share two threads."""
+    before = set(threading.enumerate())  # (another test's loader left unclosed keeps its threads)
     with EpochCachedLoader(synced.cache.dir, batch_size=64, num_workers=0) as loader:
         seen: set[threading.Thread] = set()  # the objects themselves: an ended thread's ident is reused
         for _ in range(5):
             for _batch in loader:
-                seen |= {t for t in threading.enumerate() if t.name.startswith("epochcache-batches")}
+                seen |= {t for t in threading.enumerate() if t.name.startswith("epochcache-batches")} - before
         assert 1 <= len(seen) <= 2
+
+
+def test_an_abandoned_loader_collected_mid_epoch_never_hangs_the_collection(synced: Config) -> None:
+    """A loader left unclosed after its first batch, then garbage: the collector finalizes its epoch
+    (which hands the epoch's record to the cleanup thread and waits for it) while it clears the
+    loader's thread pools. The finalizing must end: the pool that records runs its task, not a
+    thread that the pool's collection told to exit (the next test's gc.collect() hung for good)."""
+    import gc
+
+    def abandon() -> None:
+        loader = EpochCachedLoader(synced.cache.dir, batch_size=32)
+        for _ in loader:  # a whole epoch: the cleanup thread is running
+            pass
+        epoch = iter(loader)
+        next(epoch)
+        cycle: dict[str, object] = {"loader": loader, "epoch": epoch}  # (as a failed test's traceback holds them)
+        cycle["cycle"] = cycle
+
+    abandon()
+    collected = threading.Thread(target=gc.collect, daemon=True)
+    collected.start()
+    collected.join(timeout=30)
+    assert not collected.is_alive(), "gc.collect() hung finalizing the abandoned loader's epoch"
