@@ -8,11 +8,11 @@ thread waits for room that only training makes (a daemon run in a thread of a pr
 Either held the process forever. They come from :class:`DaemonThreadPool`, whose threads Python
 does not wait for, and so do the loader's preparing and cleanup threads: a ``ThreadPoolExecutor``
 collected tells its thread to exit, and a loader abandoned mid-epoch, collected with its pools, has
-its epoch finalized into that thread (the task never ran: ``gc.collect()`` hung). Invariant: an unclosed loader or an unstopped in-process daemon never keeps the
-process from exiting, and nothing is waited for or handed to a pool once Python finalizes
-(:func:`interpreter_exiting`). What a thread was doing then ends as in a crash, which both sides
-survive: a shard not published is never seen, and the leases of an exited process lapse
-(:mod:`epochcache.cache.ledger_leases`).
+its epoch finalized into that thread (the task never ran: ``gc.collect()`` hung). Invariant: an
+unclosed loader or an unstopped in-process daemon never keeps the process from exiting, and nothing
+is waited for or handed to a pool once Python finalizes (:func:`interpreter_exiting`). What a thread
+was doing then ends as in a crash, which both sides survive: a shard not published is never seen,
+and the leases of an exited process lapse (:mod:`epochcache.cache.ledger_leases`).
 """
 
 from __future__ import annotations
