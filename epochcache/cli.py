@@ -17,7 +17,7 @@ from pathlib import Path
 
 from epochcache.cache.layout import bytes_under
 from epochcache.config import Config, load_config
-from epochcache.errors import ConfigError, EpochcacheError
+from epochcache.errors import ConfigError, EpochcacheError, causes
 from epochcache.redact import install_filter, redact_text
 
 log = logging.getLogger("epochcache")
@@ -80,14 +80,7 @@ def _no_credentials(exc: BaseException) -> bool:
         from botocore.exceptions import NoCredentialsError, PartialCredentialsError
     except ImportError:  # no S3 client installed: it cannot have raised one
         return False
-    seen: BaseException | None = exc
-    for _ in range(20):  # a chain is short; the bound guards against a cycle
-        if seen is None:
-            return False
-        if isinstance(seen, (NoCredentialsError, PartialCredentialsError)):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return any(isinstance(seen, (NoCredentialsError, PartialCredentialsError)) for seen in causes(exc))
 
 
 def _setup_logging(verbose: int) -> None:

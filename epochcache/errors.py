@@ -28,6 +28,19 @@ one, is kept as ``__cause__``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the errors it was raised from (or while handling), outermost first; a chain is
+    short, and the bound guards against a cycle."""
+    seen: BaseException | None = exc
+    for _ in range(20):
+        if seen is None:
+            return
+        yield seen
+        seen = seen.__cause__ or seen.__context__
+
 
 class EpochcacheError(Exception):
     """Base of every error epochcache raises on purpose."""

@@ -90,8 +90,7 @@ class Leases:
             # first epoch on a cache of 100,000 shards took 1.8 s with a statement per shard, 1.1 s so
             # (benchmarks/ledger.py, run after each other).
             con.execute("CREATE TEMP TABLE IF NOT EXISTS fresh_units(h INTEGER PRIMARY KEY, share REAL NOT NULL) "
-                        "WITHOUT ROWID")
-            con.execute("DELETE FROM fresh_units")
+                        "WITHOUT ROWID")  # (empty: emptied below, and a failure rolls its rows back)
             untrained = ("trained = 0 AND n <= :upto "
                          "AND n NOT IN (SELECT shard FROM lease_excluded WHERE lease = :lease)")
             where = {"upto": lease[0], "lease": lease_id}

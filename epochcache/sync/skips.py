@@ -22,6 +22,7 @@ from epochcache.errors import (
     ObjectDeniedError,
     ObjectMissingError,
     OversizeUnitError,
+    causes,
 )
 from epochcache.sources import RemoteObject, Unit
 from epochcache.sources.retry import Retrier, describe
@@ -125,16 +126,9 @@ def what_failed(exc: Exception) -> str:
     if isinstance(exc, ObjectDeniedError):
         return "object refused"
     if isinstance(exc, FetchFailedError):
-        status = next((status_of(e) for e in _causes(exc) if status_of(e) is not None), None)
+        status = next((status for status in map(status_of, causes(exc)) if status is not None), None)
         return "remote unreachable" if status is None else f"remote failing (HTTP {status})"
     if isinstance(exc, OversizeUnitError):
         return "unit too large"
     return "corrupt object" if isinstance(exc, CorruptObjectError) else "object missing"
 
-
-def _causes(exc: BaseException) -> Iterator[BaseException]:
-    """``exc`` and the errors it was raised from, outermost first."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        yield seen
-        seen = seen.__cause__
